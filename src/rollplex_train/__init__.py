@@ -1,0 +1,1 @@
+"""rollplex-train: synchronous on-policy RL for vision-language models."""

@@ -1,0 +1,343 @@
+"""Rule-based rewards, registered by name, and the manager that scores a rollout batch.
+
+A reward function has the signature ``fn(response: str, ground_truth: str, **kwargs) -> float``;
+the manager passes ``options=list[str]`` (the choices of a multiple-choice prompt, possibly empty)
+when the function accepts it. Built-ins return a float in [0, 1] and read the final answer from the
+last ``\\boxed{...}`` of the response (EasyR1's r1v/math rewards use the same convention).
+
+``reward.function`` names a registered function (``auto``, ``choice``, ``number``, ``math``,
+``format``) or a user file ``path/to/file.py:fn``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import math
+import numbers
+import re
+import threading
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+RewardFn = Callable[..., float]
+_REWARDS: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Register ``fn(response, ground_truth, **kwargs) -> float`` under ``name``.
+
+    Raises:
+        ValueError: another function is already registered under ``name``.
+    """
+
+    def decorator(fn: RewardFn) -> RewardFn:
+        if name in _REWARDS and _REWARDS[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered ({_REWARDS[name]!r})")
+        _REWARDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def known_rewards() -> list[str]:
+    """Registered reward names, sorted."""
+    return sorted(_REWARDS)
+
+
+# ---------------------------------------------------------------------------------------------
+# answer extraction and normalisation
+
+
+def extract_boxed(text: str) -> Optional[str]:
+    """Content of the last balanced ``\\boxed{...}`` in ``text`` (nested braces allowed), or None.
+
+    ``"so \\boxed{\\frac{1}{2}}."`` -> ``"\\frac{1}{2}"``. An unbalanced last box falls back to the
+    previous balanced one. The content is stripped of surrounding whitespace.
+    """
+    starts = [m.end() for m in re.finditer(r"\\boxed\s*\{", text)]
+    for start in reversed(starts):
+        depth = 1
+        for pos in range(start, len(text)):
+            if text[pos] == "{":
+                depth += 1
+            elif text[pos] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:pos].strip()
+    return None
+
+
+_WRAPPER = re.compile(r"^\\(?:text|textbf|mathrm|mathbf)\s*\{(.*)\}$", re.DOTALL)
+_OPTION_LABEL = re.compile(r"^\(?([a-z])\s*[\).:]?$")
+_LABELLED_OPTION = re.compile(r"^\(?([a-z])\s*[\).:]\s+(.+)$")
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, unwrap ``\\text{...}``-like wrappers and ``$...$``, collapse whitespace, drop
+    trailing punctuation (``. , ; : ! ?``)."""
+    s = text.strip()
+    for _ in range(3):  # a few layers: $\text{B}$
+        s = s.strip()
+        if len(s) >= 2 and s[0] == "$" and s[-1] == "$":
+            s = s.strip("$")
+        m = _WRAPPER.match(s.strip())
+        if m:
+            s = m.group(1)
+    s = re.sub(r"\s+", " ", s.lower()).strip()
+    return s.rstrip(".,;:!? ").strip()
+
+
+def _option_text(option: str, index: int) -> str:
+    """Normalised option text without a leading ``A.`` / ``(A)`` label matching its position."""
+    s = normalize_answer(option)
+    m = _LABELLED_OPTION.match(s)
+    if m and ord(m.group(1)) - ord("a") == index:
+        s = m.group(2).strip()
+    return s
+
+
+def _canonical_choice(answer: str, options: Sequence[str]) -> str:
+    """Map an option letter (``B``, ``(b)``, ``B.``) to its option text; other answers unchanged."""
+    s = normalize_answer(answer)
+    if options:
+        m = _OPTION_LABEL.match(s)
+        if m and ord(m.group(1)) - ord("a") < len(options):
+            return _option_text(options[ord(m.group(1)) - ord("a")], ord(m.group(1)) - ord("a"))
+        m = _LABELLED_OPTION.match(s)  # "b. cat" -> "cat" when it names the right option
+        if m and ord(m.group(1)) - ord("a") < len(options):
+            idx = ord(m.group(1)) - ord("a")
+            if _option_text(options[idx], idx) == normalize_answer(m.group(2)):
+                return normalize_answer(m.group(2))
+        for idx, option in enumerate(options):  # a full labelled option string -> its text
+            if normalize_answer(option) == s:
+                return _option_text(option, idx)
+    return s
+
+
+def parse_number(text: str) -> Optional[float]:
+    """A finite float from ``text`` (``"3"``, ``"-2.50"``, ``"1,000"``, ``"1e-3"``, ``"3/4"``,
+    ``"45%"`` -> 45.0, ``"$12$"``), or None. Words such as ``"three"`` are not parsed."""
+    s = normalize_answer(text).replace(",", "").replace(" ", "")
+    s = s.removesuffix("\\%").removesuffix("%")
+    m = re.fullmatch(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}", s)
+    if m:
+        s = f"{m.group(1)}/{m.group(2)}"
+    try:
+        if s.count("/") == 1:
+            num, den = (float(p) for p in s.split("/"))
+            value = num / den
+        else:
+            value = float(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# built-in rewards
+
+
+@register_reward("format")
+def format_reward(response: str, ground_truth: str = "", **_: Any) -> float:
+    """1.0 if the response holds a non-empty ``\\boxed{...}`` answer, else 0.0."""
+    answer = extract_boxed(response)
+    return 1.0 if answer else 0.0
+
+
+@register_reward("choice")
+def choice_reward(response: str, ground_truth: str, options: Optional[Sequence[str]] = None, **_: Any) -> float:
+    """1.0 if the boxed answer names the ground-truth choice, else 0.0 (no box: 0.0).
+
+    Both sides are normalised (``normalize_answer``); with ``options`` an option letter
+    (``B``, ``(B)``, ``B.``) on either side stands for that option's text.
+    """
+    answer = extract_boxed(response)
+    if not answer:
+        return 0.0
+    opts = list(options or [])
+    return 1.0 if _canonical_choice(answer, opts) == _canonical_choice(ground_truth, opts) else 0.0
+
+
+@register_reward("number")
+def number_reward(response: str, ground_truth: str, **_: Any) -> float:
+    """1.0 if the boxed answer and the ground truth are equal numbers, else 0.0.
+
+    Equality is ``math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)``; parsing is ``parse_number``.
+    """
+    answer = extract_boxed(response)
+    a = parse_number(answer) if answer else None
+    b = parse_number(ground_truth)
+    if a is None or b is None:
+        return 0.0
+    return 1.0 if math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9) else 0.0
+
+
+@register_reward("math")
+def math_reward(response: str, ground_truth: str, **_: Any) -> float:
+    """1.0 if math-verify judges the boxed answer equal to the ground truth, else 0.0.
+
+    Both are parsed as ``$...$`` LaTeX with ``math_verify.parse`` and compared with
+    ``math_verify.verify(gold, answer)`` (symbolic, Kydlíček et al., Hugging Face Math-Verify).
+    Off the main thread the signal-based timeouts of math-verify are disabled.
+    """
+    from math_verify import parse, verify
+
+    answer = extract_boxed(response)
+    if not answer:
+        return 0.0
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"${ground_truth.strip().strip('$')}$", parsing_timeout=timeout)
+    pred = parse(f"${answer.strip('$')}$", parsing_timeout=timeout)
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+
+
+@register_reward("auto")
+def auto_reward(response: str, ground_truth: str, options: Optional[Sequence[str]] = None, **_: Any) -> float:
+    """``number`` when the ground truth parses as a number, else ``choice``."""
+    if parse_number(ground_truth) is not None:
+        return number_reward(response, ground_truth)
+    return choice_reward(response, ground_truth, options=options)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading and scoring
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    """The reward function named by ``reward.function``.
+
+    Args:
+        spec: a registered name, or ``path/to/file.py:fn`` (the file is imported with importlib
+            under a private module name; relative paths are relative to the working directory).
+
+    Raises:
+        FileNotFoundError: the file of ``path:fn`` does not exist (names the file).
+        ValueError: an unknown name, a spec without ``:fn``, or a file without a callable ``fn``
+            (names the file and the function).
+    """
+    if spec in _REWARDS:
+        return _REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(f"reward.function={spec!r}: expected one of {known_rewards()} or 'path/to/file.py:fn'")
+    path_str, fn_name = spec.rsplit(":", 1)
+    path = Path(path_str).expanduser()
+    if not fn_name or not path_str:
+        raise ValueError(f"reward.function={spec!r}: expected 'path/to/file.py:fn'")
+    if not path.is_file():
+        raise FileNotFoundError(f"reward.function={spec!r}: reward file {str(path)!r} not found")
+    module_name = f"rollplex_user_reward_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"reward.function={spec!r}: cannot import {str(path)!r} as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"reward.function={spec!r}: file {str(path)!r} has no callable {fn_name!r}")
+    return fn
+
+
+def _mean(values: torch.Tensor) -> float:
+    return float(values.mean().item()) if values.numel() else 0.0
+
+
+def _accepts_options(fn: RewardFn) -> bool:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    return any(p.kind is p.VAR_KEYWORD or p.name == "options" for p in params)
+
+
+class RewardManager:
+    """Scores a rollout batch: ``score = (1 - w) * accuracy + w * format`` (EasyR1 r1v reward).
+
+    Args:
+        function: ``reward.function`` (registered name or ``path/to/file.py:fn``).
+        format_weight: ``reward.format_weight`` ``w`` in [0, 1].
+
+    Raises:
+        ValueError / FileNotFoundError: as ``load_reward_function``; ``format_weight`` outside [0, 1].
+    """
+
+    def __init__(self, function: str, format_weight: float) -> None:
+        if not 0.0 <= format_weight <= 1.0:
+            raise ValueError(f"reward.format_weight={format_weight}: expected 0 <= w <= 1")
+        self.function = function
+        self.format_weight = float(format_weight)
+        self._fn = load_reward_function(function)
+        self._pass_options = _accepts_options(self._fn)
+
+    def _accuracy(self, response: str, ground_truth: str, options: list[str], uid: str) -> Optional[float]:
+        """The user's score as a finite float, or None (logged) when it raises or is not one."""
+        try:
+            kwargs = {"options": options} if self._pass_options else {}
+            value = self._fn(response, ground_truth, **kwargs)
+        except Exception as err:  # noqa: BLE001 - a user function may raise anything
+            logger.warning("reward %r failed on sample uid=%s: %s: %s", self.function, uid, type(err).__name__, err)
+            return None
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            logger.warning(
+                "reward %r returned %r on sample uid=%s: expected a finite number", self.function, value, uid
+            )
+            return None
+        return float(value)
+
+    def score(
+        self,
+        responses: list[str],
+        ground_truths: list[str],
+        uids: list[str],
+        options: Optional[list[list[str]]] = None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Score N responses.
+
+        Args:
+            responses: N decoded response texts.
+            ground_truths: N reference answers.
+            uids: N sample ids (named in warnings).
+            options: N lists of choices (empty for open questions); None: no options anywhere.
+
+        Returns:
+            ``(scores, metrics)``: (N,) float32 scores and floats ``reward/accuracy`` (mean accuracy,
+            failures as 0), ``reward/format`` (mean format score), ``reward/failed`` (number of
+            samples whose function raised or returned NaN/inf/non-number; they score 0 accuracy)
+            and ``reward/score`` (mean score).
+
+        Raises:
+            ValueError: the lists have different lengths.
+        """
+        num = len(responses)
+        options = options if options is not None else [[] for _ in range(num)]
+        if not (len(ground_truths) == len(uids) == len(options) == num):
+            raise ValueError(
+                f"score: {num} responses, {len(ground_truths)} ground truths, {len(uids)} uids, "
+                f"{len(options)} option lists: expected equal lengths"
+            )
+        accuracy, formats, failed = [], [], 0
+        for response, truth, uid, opts in zip(responses, ground_truths, uids, options):
+            acc = self._accuracy(response, truth, list(opts), uid)
+            failed += acc is None
+            accuracy.append(0.0 if acc is None else acc)
+            formats.append(format_reward(response))
+        acc_t = torch.tensor(accuracy, dtype=torch.float32)
+        fmt_t = torch.tensor(formats, dtype=torch.float32)
+        w = self.format_weight
+        scores = (1.0 - w) * acc_t + w * fmt_t
+        metrics = {
+            "reward/accuracy": _mean(acc_t),
+            "reward/format": _mean(fmt_t),
+            "reward/failed": float(failed),
+            "reward/score": _mean(scores),
+        }
+        return scores, metrics

@@ -1,0 +1,1 @@
+"""Ray cluster start/attach and the worker actor shells."""

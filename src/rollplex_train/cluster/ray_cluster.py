@@ -1,0 +1,85 @@
+"""Start or attach to a Ray cluster and place the colocated worker group on it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollplex_train.config import Config
+
+log = logging.getLogger(__name__)
+
+# Ray puts Unix sockets under its temp dir; their paths must stay under ~107 bytes.
+_MAX_RAY_TMP_LEN = 48
+
+
+def ray_temp_dir(output_dir: Path) -> str:
+    """The run's Ray temp dir: ``<output_dir>/ray`` when short enough, else a short dir linked there."""
+    target = (output_dir / "ray").resolve()
+    if len(str(target)) <= _MAX_RAY_TMP_LEN:
+        target.mkdir(parents=True, exist_ok=True)
+        return str(target)
+    short = tempfile.mkdtemp(prefix="rp-ray-")
+    if target.is_symlink() or target.exists():
+        if target.is_symlink():
+            target.unlink()
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(short)
+    log.info("Ray temp dir %s (linked from %s: the path is too long for Ray's sockets)", short, target)
+    return short
+
+
+def start_ray(cfg: Config, output_dir: Path) -> None:
+    """``ray.init`` a local cluster (temp dir under the run's output dir) or attach to ``cluster.address``."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}}
+    if cfg.cluster.address:
+        ray.init(address=cfg.cluster.address, runtime_env=env, log_to_driver=True)
+        return
+    ray.init(
+        num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
+        object_store_memory=cfg.cluster.object_store_memory_bytes,
+        include_dashboard=False,
+        _temp_dir=ray_temp_dir(output_dir),
+        runtime_env=env,
+        log_to_driver=True,
+        configure_logging=False,
+    )
+
+
+@dataclass
+class WorkerGroup:
+    """Handles to the colocated workers of one device."""
+
+    rollout: "object"
+    train: "object"
+    threads: int
+
+
+def create_worker_group(cfg: Config) -> WorkerGroup:
+    """Spawn one RolloutWorker and one TrainWorker and wait until both have loaded their models.
+
+    The actors ask Ray for no CPU slot: they are colocated by design and share the cores through
+    their torch thread counts (the schedule decides who computes when).
+    """
+    import ray
+
+    from rollplex_train.cluster.workers import RolloutWorker, TrainWorker
+
+    threads = cfg.cluster.threads_per_worker or cfg.cluster.num_cpus or os.cpu_count() or 1
+    opts = dict(num_cpus=0, num_gpus=cfg.cluster.num_gpus / 2 if cfg.cluster.num_gpus else 0)
+    rollout = ray.remote(RolloutWorker).options(name=None, **opts).remote(
+        cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size
+    )
+    train = ray.remote(TrainWorker).options(**opts).remote(
+        cfg.actor.backend, cfg.model, cfg.actor, cfg.algorithm, cfg.trainer.seed, threads
+    )
+    ray.get([rollout.weights_version.remote(), train.weights_version.remote()])
+    return WorkerGroup(rollout=rollout, train=train, threads=threads)

@@ -1,0 +1,96 @@
+"""Worker actor shells: one RolloutWorker and one TrainWorker per device, colocated.
+
+They are thin: each builds its engine through the registry, pins its torch thread count, and
+forwards calls. No algorithm code lives here. On CPU colocated workers share the machine's cores
+(``cluster.threads_per_worker``); on GPU they share the device (streams / MPS, later issues).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
+from rollplex_train.data.types import PromptSample, Response, TrainBatch
+from rollplex_train.rollout.base import SamplingParams, create_rollout_engine
+from rollplex_train.training.base import create_train_engine
+
+
+def _setup_process(threads: int) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+class RolloutWorker:
+    """Holds the rollout engine (the built-in one decodes in this process; SGLang spawns its own).
+
+    Args:
+        engine: registered rollout engine name. model: checkpoint section. threads: torch threads.
+        max_batch_size: most sequences decoded together.
+    """
+
+    def __init__(self, engine: str, model: ModelConfig, threads: int, max_batch_size: int):
+        _setup_process(threads)
+        self.engine = create_rollout_engine(
+            engine, model_path=model.path, dtype=model.dtype,
+            attn_implementation=model.attn_implementation, max_batch_size=max_batch_size,
+        )
+
+    def generate(self, prompts: list[PromptSample], params: SamplingParams,
+                 weights_version: Optional[int] = None) -> list[Response]:
+        return self.engine.generate(prompts, params, weights_version)
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
+        self.engine.update_weights(named_tensors, version)
+        return self.engine.weights_version
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
+    def weights_version(self) -> int:
+        return self.engine.weights_version
+
+
+class TrainWorker:
+    """Holds the training engine (actor + reference + optimizer).
+
+    Args:
+        backend: registered training engine name. model/actor/algorithm: config sections.
+        seed: torch seed. threads: torch threads.
+    """
+
+    def __init__(self, backend: str, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig,
+                 seed: int, threads: int):
+        _setup_process(threads)
+        self.engine = create_train_engine(backend, model=model, actor=actor, algorithm=algorithm, seed=seed)
+
+    def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
+                          with_entropy: bool = False):
+        return self.engine.compute_log_probs(batch, role, temperature, with_entropy)
+
+    def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
+        return self.engine.update_actor(batch, temperature)
+
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        return self.engine.rollout_weights()
+
+    def weights_version(self) -> int:
+        return self.engine.weights_version
+
+    def save_checkpoint(self, directory: str) -> None:
+        self.engine.save_checkpoint(Path(directory))
+
+    def load_checkpoint(self, directory: str) -> int:
+        self.engine.load_checkpoint(Path(directory))
+        return self.engine.weights_version
+
+    def export_hf(self, directory: str) -> None:
+        self.engine.export_hf(Path(directory))

@@ -1,0 +1,323 @@
+"""Structured configuration for rollplex-train.
+
+Every section is a keyword-only dataclass registered with Hydra's ConfigStore, so a misspelt key in
+YAML or on the command line is an error (OmegaConf struct mode). Each dataclass checks its own
+values in ``__post_init__`` and raises ``ValueError`` naming the offending key. Sections never copy
+values between each other; derived quantities are computed where they are used.
+
+Names follow verl/EasyR1 where a counterpart exists (``rollout.n``, ``actor.ppo_mini_batch_size``,
+``algorithm.adv_estimator``, ``actor.clip_ratio_low``/``clip_ratio_high``, ``actor.loss_agg_mode``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+SCHEDULES = ("serial",)  # disaggregated and rollplex come with the phase planner
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_choice(section: str, key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{section}.{key}={value!r}: expected one of {list(choices)}")
+
+
+def _check_positive(section: str, key: str, value: float, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{section}.{key}={value!r}: expected a number {bound}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The policy checkpoint: a local Hugging Face directory (Qwen2-VL / Qwen2.5-VL)."""
+
+    path: str = "artifacts/checkpoints/tiny-qwen25vl"
+    """Local checkpoint directory loaded with ``from_pretrained`` (never a hub id: no network)."""
+    dtype: str = "float32"
+    """Parameter dtype of actor, reference and rollout weights."""
+    attn_implementation: str = "sdpa"
+    """transformers attention backend: ``sdpa`` or ``eager``."""
+    freeze_vision_tower: bool = False
+    """Keep the vision encoder (and its merger) frozen in the actor update."""
+    shared_prefix: bool = False
+    """Score/train the prompt prefix once per group (prefix/suffix decomposition)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("model", "dtype", self.dtype, DTYPES)
+        _check_choice("model", "attn_implementation", self.attn_implementation, ("sdpa", "eager"))
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Prompt datasets in the EasyR1 schema (``problem``, ``answer``, ``images``, ``videos``)."""
+
+    train_files: str = "artifacts/data/visual_tasks/train.parquet"
+    """Parquet or jsonl file(s) for training; several are separated by commas."""
+    val_files: str = "artifacts/data/visual_tasks/val.parquet"
+    """Parquet or jsonl file(s) for validation; empty string disables validation."""
+    prompt_key: str = "problem"
+    answer_key: str = "answer"
+    image_key: str = "images"
+    video_key: str = "videos"
+    system_prompt: Optional[str] = None
+    """System message of the chat template (None: the template's default)."""
+    format_prompt: Optional[str] = None
+    """Path to a Jinja template rendering ``content`` (the problem) into the user message."""
+    max_prompt_length: int = 512
+    """Longest prompt in tokens after vision placeholders are expanded; longer samples are skipped."""
+    rollout_batch_size: int = 8
+    """Prompts per training step (verl ``data.train_batch_size``)."""
+    val_batch_size: int = 64
+    """Prompts per validation generate call."""
+    max_val_samples: int = -1
+    """Cap on validation prompts (-1: all)."""
+    shuffle: bool = True
+    seed: int = 1
+    min_pixels: int = 56 * 56
+    max_pixels: int = 112 * 112
+    """Image resize bounds in pixels (Qwen2-VL ``smart_resize``)."""
+    video_fps: float = 2.0
+    video_max_frames: int = 8
+    video_min_pixels: int = 56 * 56
+    video_max_pixels: int = 56 * 56
+
+    def __post_init__(self) -> None:
+        if not self.train_files:
+            raise ValueError("data.train_files is empty: expected a parquet/jsonl path")
+        for key in ("max_prompt_length", "rollout_batch_size", "val_batch_size", "video_max_frames"):
+            _check_positive("data", key, getattr(self, key))
+        _check_positive("data", "video_fps", self.video_fps)
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"data.min_pixels={self.min_pixels} > data.max_pixels={self.max_pixels}")
+        if self.video_min_pixels > self.video_max_pixels:
+            raise ValueError(
+                f"data.video_min_pixels={self.video_min_pixels} > data.video_max_pixels={self.video_max_pixels}"
+            )
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Advantage estimation and KL regularisation."""
+
+    adv_estimator: str = "grpo"
+    """Registered estimator: ``grpo``, ``drgrpo``, ``rloo``, ``reinforce_plus_plus``."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide group-centred scores by the group std (Shao et al. 2024, DeepSeekMath §4.1.2)."""
+    gamma: float = 1.0
+    """Discount for REINFORCE++ returns."""
+    kl_estimator: str = "low_var_kl"
+    """KL(actor || reference) per token: ``k1``, ``k2``, ``k3``, ``low_var_kl`` (Schulman 2020)."""
+    use_kl_loss: bool = True
+    """Add ``kl_coef * KL`` to the actor loss (GRPO style)."""
+    use_kl_in_reward: bool = False
+    """Subtract ``kl_coef * KL`` from the token-level reward (PPO/REINFORCE++ style)."""
+    kl_coef: float = 0.01
+
+    def __post_init__(self) -> None:
+        _check_choice("algorithm", "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_positive("algorithm", "kl_coef", self.kl_coef, allow_zero=True)
+        if self.use_kl_loss and self.use_kl_in_reward:
+            raise ValueError("algorithm.use_kl_loss and algorithm.use_kl_in_reward are both true: pick one")
+
+    @property
+    def needs_reference(self) -> bool:
+        """True when reference log-probs must be computed this run."""
+        return (self.use_kl_loss or self.use_kl_in_reward) and self.kl_coef > 0
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Response sampling by the rollout engine."""
+
+    name: str = "builtin"
+    """Registered engine: ``builtin`` (transformers, CPU/GPU) or ``sglang`` (GPU)."""
+    n: int = 8
+    """Responses per prompt (the GRPO group size G)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (in addition to EOS); the stop string is kept in the response."""
+    ignore_eos: bool = False
+    """Always decode ``max_new_tokens`` tokens (benchmarks)."""
+    max_batch_size: int = 256
+    """Most sequences decoded together; larger requests are split."""
+    val_temperature: float = 0.0
+    """Validation sampling temperature (0: greedy)."""
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _check_positive("rollout", "n", self.n)
+        _check_positive("rollout", "max_new_tokens", self.max_new_tokens)
+        _check_positive("rollout", "temperature", self.temperature, allow_zero=True)
+        _check_positive("rollout", "val_temperature", self.val_temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout.top_p={self.top_p}: expected 0 < top_p <= 1")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.top_k={self.top_k}: expected -1 (off) or a positive integer")
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    """Actor update (and the frozen reference held by the same training worker)."""
+
+    backend: str = "torch"
+    """Registered training engine: ``torch`` (CPU/GPU) or ``megatron`` (GPU)."""
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = 0
+    """Linear warm-up of the learning rate over this many optimizer steps."""
+    grad_clip: float = 1.0
+    """Clip the global grad norm to this value (<= 0 disables clipping)."""
+    ppo_mini_batch_size: int = -1
+    """Prompts per optimizer step (each with ``rollout.n`` responses); -1: the whole rollout batch."""
+    micro_batch_size: int = 16
+    """Responses per forward/backward (gradient accumulation inside a mini-batch)."""
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    """PPO ratio clip range [1 - low, 1 + high] (DAPO's clip-higher when high > low)."""
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_positive("actor", "lr", self.lr, allow_zero=True)
+        _check_positive("actor", "micro_batch_size", self.micro_batch_size)
+        _check_positive("actor", "ppo_epochs", self.ppo_epochs)
+        _check_positive("actor", "clip_ratio_low", self.clip_ratio_low, allow_zero=True)
+        _check_positive("actor", "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
+        _check_choice("actor", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        if len(self.betas) != 2:
+            raise ValueError(f"actor.betas={self.betas}: expected two numbers")
+        if self.ppo_mini_batch_size == 0 or self.ppo_mini_batch_size < -1:
+            raise ValueError(f"actor.ppo_mini_batch_size={self.ppo_mini_batch_size}: expected -1 or > 0")
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    """Reward function: a registered rule name or ``path/to/file.py:fn``."""
+
+    function: str = "auto"
+    """``auto`` (number or choice by the answer), ``choice``, ``number``, ``math``, ``format``, or
+    ``path/to/file.py:fn`` with ``fn(response: str, ground_truth: str, **kwargs) -> float``."""
+    format_weight: float = 0.0
+    """Score = (1 - w) * accuracy + w * format (EasyR1's r1v reward)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.format_weight <= 1.0:
+            raise ValueError(f"reward.format_weight={self.format_weight}: expected 0 <= w <= 1")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """The Ray cluster that holds the colocated rollout and training workers."""
+
+    address: Optional[str] = None
+    """Existing Ray cluster (``auto`` or ``host:port``); None starts a local one."""
+    num_cpus: Optional[int] = None
+    """CPUs given to a local Ray cluster (None: all cores)."""
+    num_gpus: int = 0
+    """GPUs per colocated worker group (0: CPU run)."""
+    object_store_memory_bytes: int = 200 * 1024**2
+    threads_per_worker: Optional[int] = None
+    """torch intra-op threads in each worker (None: the cluster's CPUs)."""
+    device_share: str = "cores"
+    """How colocated workers share a device: ``cores`` (CPU), ``streams`` or ``mps`` (GPU)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("cluster", "device_share", self.device_share, ("cores", "streams", "mps"))
+        if self.num_cpus is not None:
+            _check_positive("cluster", "num_cpus", self.num_cpus)
+
+
+@dataclass(kw_only=True)
+class ScheduleConfig:
+    """How the phases of a step are placed in time."""
+
+    name: str = "serial"
+
+    def __post_init__(self) -> None:
+        _check_choice("schedule", "name", self.name, SCHEDULES)
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The single-controller loop: steps, validation, checkpoints, trackers."""
+
+    project_name: str = "rollplex"
+    experiment_name: str = "default"
+    output_dir: str = "${hydra:runtime.output_dir}"
+    """Metrics, checkpoints, tensorboard events, Ray temp dir and the HF export go here (default:
+    Hydra's run dir, ``outputs/<project>/<experiment>``, so ``resume=auto`` finds the last run)."""
+    total_steps: int = 10
+    seed: int = 1
+    val_freq: int = 5
+    """Validate every this many steps (<= 0: never during training)."""
+    val_before_train: bool = True
+    save_freq: int = 5
+    """Checkpoint every this many steps (<= 0: only at the end)."""
+    max_ckpt_to_keep: int = 2
+    resume: str = "auto"
+    """``auto`` (latest checkpoint in output_dir if any), ``disable``, or a checkpoint directory."""
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard", "wandb"])
+    export_hf: bool = True
+    """Write the final actor as a HF checkpoint directory under ``output_dir/hf_actor``."""
+    progress_bar: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive("trainer", "total_steps", self.total_steps)
+        _check_positive("trainer", "max_ckpt_to_keep", self.max_ckpt_to_keep)
+        for name in self.loggers:
+            _check_choice("trainer", "loggers", name, ("console", "jsonl", "tensorboard", "wandb"))
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run: one section per config group of ``conf/config.yaml``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        mini = self.actor.ppo_mini_batch_size
+        if mini > 0 and self.data.rollout_batch_size % mini != 0:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={mini} must divide data.rollout_batch_size="
+                f"{self.data.rollout_batch_size}"
+            )
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore under the name ``rollplex_schema``."""
+    cs = ConfigStore.instance()
+    cs.store(name="rollplex_schema", node=Config)
+
+
+def to_config(cfg: DictConfig) -> Config:
+    """Turn a composed Hydra config into validated dataclasses.
+
+    Raises:
+        ValueError: a value fails a section's check (the message names ``section.key``).
+    """
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, Config):  # composed without the schema (e.g. a bare dict in tests)
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
+    return obj

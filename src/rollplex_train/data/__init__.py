@@ -1,0 +1,1 @@
+"""Datasets, image/video loading and patchifying, prompt building, collation."""

@@ -1,0 +1,370 @@
+"""Prompt datasets in the EasyR1 schema, and a resumable loader of fixed-size prompt batches.
+
+A manifest (parquet or jsonl) has one row per prompt: ``problem`` (text with ``<image>``/``<video>``
+placeholders), ``answer``, optional ``images`` / ``videos`` (lists of paths relative to the
+manifest's directory, or HF ``Image`` dicts), optional ``task`` (or ``data_source``) and ``options``.
+Column names come from :class:`~rollplex_train.config.DataConfig`.
+
+File-level problems (missing file, unknown extension, empty table, missing prompt/answer column)
+raise at construction. Row-level problems make :meth:`PromptDataset.get` return ``None``; each bad
+row is counted once by reason in ``PromptDataset.skipped`` and logged once with its file and row.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import datasets
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from rollplex_train.config import DataConfig
+from rollplex_train.data.prompts import build_messages, render_prompt_ids
+from rollplex_train.data.types import PromptSample, VisionInputs
+from rollplex_train.data.vision import load_image, load_video, patchify_images, patchify_video, resolve_path
+
+logger = logging.getLogger(__name__)
+
+SKIP_REASONS = ("missing_media", "corrupt_media", "bad_schema", "placeholder_mismatch", "too_long")
+_READERS = {".parquet": datasets.Dataset.from_parquet, ".jsonl": datasets.Dataset.from_json,
+            ".json": datasets.Dataset.from_json}
+
+
+def split_files(files: str) -> list[str]:
+    """The non-empty, stripped entries of a comma-separated file list."""
+    return [f.strip() for f in files.split(",") if f.strip()]
+
+
+def _no_image_decoding(ds: datasets.Dataset) -> datasets.Dataset:
+    """Cast HF ``Image`` columns (also inside lists) to ``decode=False`` so rows keep bytes/paths."""
+    for name, feature in ds.features.items():
+        inner = getattr(feature, "feature", None)
+        if isinstance(feature, datasets.Image) and feature.decode:
+            ds = ds.cast_column(name, datasets.Image(decode=False))
+        elif isinstance(inner, datasets.Image) and inner.decode:
+            ds = ds.cast_column(name, datasets.List(datasets.Image(decode=False)))
+    return ds
+
+
+def _obviously_empty(path: str, suffix: str) -> bool:
+    """True for a parquet file whose footer says 0 rows, or a JSON file with no content."""
+    if suffix == ".parquet":
+        try:
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        except Exception:  # not parquet at all: let the reader report it
+            return False
+    with open(path, "rb") as f:
+        return not f.read(1 << 16).strip()
+
+
+def read_file(path: str, cache_dir: Optional[str] = None) -> datasets.Dataset:
+    """Load one parquet/jsonl file through ``datasets`` (in memory, no network).
+
+    Args:
+        path: a ``.parquet``, ``.jsonl`` or ``.json`` (JSON lines) file.
+        cache_dir: ``datasets`` cache directory (None: a temporary one, removed after loading).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: unknown extension, unreadable content, or no rows.
+    """
+    suffix = Path(path).suffix.lower()
+    if suffix not in _READERS:
+        raise ValueError(f"{path}: unknown data file extension {suffix!r}; expected one of {sorted(_READERS)}")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"data file not found: {path}")
+    if _obviously_empty(path, suffix):  # datasets fails obscurely on these; say what is wrong
+        raise ValueError(f"{path}: the dataset is empty (0 rows)")
+    try:
+        with tempfile.TemporaryDirectory(prefix="rollplex-datasets-") as tmp:
+            ds = _READERS[suffix](path, cache_dir=cache_dir or tmp, keep_in_memory=True)
+    except Exception as err:  # datasets/pyarrow raise many types for malformed files
+        raise ValueError(f"{path}: cannot read as {suffix[1:]}: {type(err).__name__}: {err}") from err
+    if len(ds) == 0:
+        raise ValueError(f"{path}: the dataset is empty (0 rows)")
+    return _no_image_decoding(ds)
+
+
+def load_table(files: str, cache_dir: Optional[str] = None) -> datasets.Dataset:
+    """Load comma-separated parquet/jsonl files as one ``datasets.Dataset`` (rows in file order).
+
+    Raises:
+        FileNotFoundError: a file does not exist (named in the message).
+        ValueError: no file given, an unknown extension, an unreadable or empty file.
+    """
+    paths = split_files(files)
+    if not paths:
+        raise ValueError(f"no data files in {files!r}")
+    parts = [read_file(p, cache_dir) for p in paths]
+    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+
+
+class _Skip(Exception):
+    """A row that cannot become a prompt; ``reason`` is one of ``SKIP_REASONS``."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _media_list(row: dict, key: str) -> list:
+    """The row's media list (missing column or None: empty), or ``_Skip('bad_schema')``."""
+    value = row.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise _Skip("bad_schema", f"column {key!r} must be a list, got {type(value).__name__}")
+    for item in value:
+        if not isinstance(item, (str, dict)):
+            raise _Skip("bad_schema", f"column {key!r} holds a {type(item).__name__}, expected paths")
+    return list(value)
+
+
+class PromptDataset:
+    """Rows of one or more manifests turned into :class:`PromptSample` on demand.
+
+    Args:
+        cfg: column names, media sizes, ``max_prompt_length``, system/format prompts.
+        tokenizer: HF tokenizer with a Qwen2-VL chat template.
+        files: comma-separated parquet/jsonl paths.
+        split: name used in sample uids (``<split>:<row>``), e.g. ``train`` or ``val``.
+        merge_size, patch_size, temporal_patch_size: the vision tower's geometry.
+        cache_dir: ``datasets`` cache directory (None: temporary).
+
+    Attributes:
+        skipped: bad rows counted once each by reason (``SKIP_REASONS``).
+
+    Raises:
+        FileNotFoundError: a data file or ``cfg.format_prompt`` file does not exist.
+        ValueError: unknown extension, empty file, or a missing ``prompt_key``/``answer_key`` column.
+    """
+
+    def __init__(self, cfg: DataConfig, tokenizer, files: str, split: str, merge_size: int = 2,
+                 patch_size: int = 14, temporal_patch_size: int = 2, cache_dir: Optional[str] = None):
+        self.cfg, self.tokenizer, self.split = cfg, tokenizer, split
+        self.merge_size, self.patch_size, self.temporal_patch_size = merge_size, patch_size, temporal_patch_size
+        self._paths = split_files(files)
+        if not self._paths:
+            raise ValueError(f"data files for split {split!r} are empty: {files!r}")
+        self._tables = [read_file(p, cache_dir) for p in self._paths]
+        for path, table in zip(self._paths, self._tables):
+            for key_name in ("prompt_key", "answer_key"):
+                column = getattr(cfg, key_name)
+                if column not in table.column_names:
+                    raise ValueError(
+                        f"{path}: missing column {column!r} (data.{key_name}); columns are {table.column_names}"
+                    )
+        self._offsets = np.cumsum([0] + [len(t) for t in self._tables])
+        self.format_prompt: Optional[str] = None
+        if cfg.format_prompt:
+            if not Path(cfg.format_prompt).is_file():
+                raise FileNotFoundError(f"data.format_prompt file not found: {cfg.format_prompt}")
+            self.format_prompt = Path(cfg.format_prompt).read_text(encoding="utf-8")
+        self.skipped: collections.Counter = collections.Counter()
+        self._bad: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def num_bad(self) -> int:
+        """Rows found bad so far (each counted once)."""
+        return len(self._bad)
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"row {index} out of range for {len(self)} rows of split {self.split!r}")
+        part = int(np.searchsorted(self._offsets, index, side="right")) - 1
+        return part, index - int(self._offsets[part])
+
+    def locate(self, index: int) -> tuple[str, int]:
+        """``(file path, row within that file)`` of global row ``index``."""
+        part, row_index = self._locate(index)
+        return self._paths[part], row_index
+
+    def get(self, index: int) -> Optional[PromptSample]:
+        """The prompt of global row ``index``, or None for a bad row (counted and logged once)."""
+        if index in self._bad:
+            return None
+        part, row_index = self._locate(index)
+        path = self._paths[part]
+        try:
+            return self._build(index, self._tables[part][row_index], path, row_index)
+        except _Skip as skip:
+            self._bad[index] = skip.reason
+            self.skipped[skip.reason] += 1
+            logger.warning("skipping %s row %d (%s): %s", path, row_index, skip.reason, skip)
+            return None
+
+    def _build(self, index: int, row: dict[str, Any], path: str, row_index: int) -> PromptSample:
+        cfg = self.cfg
+        problem, answer = row.get(cfg.prompt_key), row.get(cfg.answer_key)
+        if not isinstance(problem, str):
+            raise _Skip("bad_schema", f"column {cfg.prompt_key!r} must be a string, got {type(problem).__name__}")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise _Skip("bad_schema", f"column {cfg.answer_key!r} must be a string, got {type(answer).__name__}")
+        images, videos = _media_list(row, cfg.image_key), _media_list(row, cfg.video_key)
+        options = row.get("options") or []
+        if not isinstance(options, (list, tuple)) or not all(isinstance(o, str) for o in options):
+            raise _Skip("bad_schema", f"column 'options' must be a list of strings, got {options!r}")
+        task = row.get("task") or row.get("data_source") or "default"
+        try:
+            messages = build_messages(problem, num_images=len(images), num_videos=len(videos),
+                                      system_prompt=cfg.system_prompt, format_prompt=self.format_prompt,
+                                      name=f"{path} row {row_index}")
+        except ValueError as err:
+            raise _Skip("placeholder_mismatch", str(err)) from err
+        vision = self._vision(images, videos, base_dir=Path(path).parent)
+        prompt_ids = render_prompt_ids(self.tokenizer, messages, vision.image_grid_thw, vision.video_grid_thw,
+                                       merge_size=self.merge_size)
+        if prompt_ids.shape[0] > cfg.max_prompt_length:
+            raise _Skip("too_long", f"prompt has {prompt_ids.shape[0]} tokens > data.max_prompt_length="
+                                    f"{cfg.max_prompt_length}")
+        return PromptSample(uid=f"{self.split}:{index}", prompt_ids=prompt_ids, vision=vision,
+                            ground_truth=str(answer), task=str(task), options=list(options))
+
+    def _vision(self, images: list, videos: list, base_dir: Path) -> VisionInputs:
+        """Load and patchify the row's media; missing/corrupt files become ``_Skip``."""
+        cfg, geometry = self.cfg, dict(patch_size=self.patch_size, temporal_patch_size=self.temporal_patch_size,
+                                       merge_size=self.merge_size)
+        out = VisionInputs()
+        try:
+            if images:
+                pil = [load_image(item, base_dir) for item in images]
+                out.pixel_values, out.image_grid_thw = patchify_images(
+                    pil, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, **geometry)
+            parts = []
+            for item in videos:
+                video_path = item.get("path") if isinstance(item, dict) else item
+                if not video_path:
+                    raise _Skip("bad_schema", f"video item {item!r} has no path")
+                frames, sample_fps = load_video(resolve_path(video_path, base_dir), fps=cfg.video_fps,
+                                                max_frames=cfg.video_max_frames,
+                                                temporal_patch_size=self.temporal_patch_size)
+                parts.append(patchify_video(frames, min_pixels=cfg.video_min_pixels,
+                                            max_pixels=cfg.video_max_pixels, sample_fps=sample_fps, **geometry))
+        except FileNotFoundError as err:
+            raise _Skip("missing_media", str(err)) from err
+        except ValueError as err:
+            raise _Skip("corrupt_media", str(err)) from err
+        if len(parts) == 1:
+            out.pixel_values_videos, out.video_grid_thw, out.second_per_grid_ts = parts[0]
+        elif parts:
+            out.pixel_values_videos, out.video_grid_thw, out.second_per_grid_ts = (
+                torch.cat([p[k] for p in parts]) for k in range(3))
+        return out
+
+    def iter_all(self, batch_size: int, max_samples: int = -1) -> Iterator[list[PromptSample]]:
+        """One pass in row order, valid samples in lists of ``batch_size`` (the last may be shorter).
+
+        Args:
+            batch_size: prompts per list (> 0).
+            max_samples: stop after this many valid prompts (-1: all).
+        """
+        if batch_size <= 0:
+            raise ValueError(f"batch_size={batch_size}: expected > 0")
+        batch: list[PromptSample] = []
+        taken = 0
+        for index in range(len(self)):
+            if 0 <= max_samples <= taken:
+                break
+            sample = self.get(index)
+            if sample is None:
+                continue
+            batch.append(sample)
+            taken += 1
+            if len(batch) == batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+
+class PromptLoader:
+    """Endless, resumable batches of valid prompts, epoch after epoch.
+
+    Each epoch visits every row once, in a permutation drawn from ``(seed, epoch)`` (or in row order
+    without ``shuffle``). Bad rows are skipped and counted in the batch's ``num_skipped``. With
+    ``drop_last`` a batch never spans two epochs: the short tail of an epoch is dropped, so every
+    batch holds exactly ``batch_size`` prompts; without it the tail is returned short.
+
+    Args:
+        dataset: the prompts.
+        batch_size: prompts per batch (> 0).
+        shuffle: permute rows each epoch.
+        seed: base of the per-epoch permutation.
+        drop_last: drop the short last batch of each epoch.
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool = True):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size={batch_size}: expected > 0")
+        self.dataset, self.batch_size, self.shuffle, self.seed, self.drop_last = (
+            dataset, batch_size, shuffle, seed, drop_last)
+        self.epoch, self.position, self._batches_in_epoch = 0, 0, 0
+        self._order: Optional[np.ndarray] = None
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order is None:
+            n = len(self.dataset)
+            self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle
+                           else np.arange(n))
+        return self._order
+
+    def _next_epoch(self) -> None:
+        if self._batches_in_epoch == 0:
+            raise ValueError(
+                f"epoch {self.epoch} of split {self.dataset.split!r} gave no batch of {self.batch_size}: only "
+                f"{len(self.dataset) - self.dataset.num_bad} of {len(self.dataset)} rows are valid "
+                f"(skipped: {dict(self.dataset.skipped)})"
+            )
+        self.epoch, self.position, self._batches_in_epoch, self._order = self.epoch + 1, 0, 0, None
+
+    def next_batch(self) -> tuple[list[PromptSample], int]:
+        """The next batch and the number of bad rows skipped while filling it.
+
+        Raises:
+            ValueError: a whole epoch yields no batch (no valid rows, or fewer than ``batch_size``
+                with ``drop_last``).
+        """
+        batch: list[PromptSample] = []
+        num_skipped = 0
+        while len(batch) < self.batch_size:
+            order = self._epoch_order()
+            if self.position >= len(order):
+                if batch and not self.drop_last:
+                    break  # the short tail; the next call rolls over to the next epoch
+                self._next_epoch()
+                batch = []  # the dropped tail's skips still count in num_skipped
+                continue
+            sample = self.dataset.get(int(order[self.position]))
+            self.position += 1
+            if sample is None:
+                num_skipped += 1
+            else:
+                batch.append(sample)
+        self._batches_in_epoch += 1
+        return batch, num_skipped
+
+    def __iter__(self) -> Iterator[list[PromptSample]]:
+        while True:
+            yield self.next_batch()[0]
+
+    def state_dict(self) -> dict[str, int]:
+        """Where the next batch starts: ``{"epoch", "position", "batches_in_epoch"}``."""
+        return {"epoch": self.epoch, "position": self.position, "batches_in_epoch": self._batches_in_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume so that the next batch equals the one the saved loader would have produced."""
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._batches_in_epoch = int(state.get("batches_in_epoch", 1 if self.position else 0))
+        self._order = None
+
+    def iter_all(self, batch_size: int, max_samples: int = -1) -> Iterator[list[PromptSample]]:
+        """One in-order pass over the dataset (validation); see :meth:`PromptDataset.iter_all`."""
+        return self.dataset.iter_all(batch_size, max_samples)

@@ -1,0 +1,153 @@
+"""The typed records that travel between driver and workers.
+
+Legend for shapes: P prompts in a batch, N responses (N = P * G for groups of G), L prompt tokens,
+R response tokens, Np vision patches, D = C * temporal_patch * patch * patch patch features
+(1176 for Qwen2-VL: 3 * 2 * 14 * 14).
+
+These are plain dataclasses of CPU tensors: they pickle cheaply through Ray and carry no device
+state. Weights never travel this way (see ``sharing/``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class VisionInputs:
+    """Patchified images and videos of one prompt, in the Qwen2-VL processor layout.
+
+    Attributes:
+        pixel_values: (Np_img, D) float32 image patches, all images of the prompt concatenated.
+        image_grid_thw: (num_images, 3) int64 patch grid (t, h, w) per image (t = 1).
+        pixel_values_videos: (Np_vid, D) float32 video patches.
+        video_grid_thw: (num_videos, 3) int64 patch grid per video.
+        second_per_grid_ts: (num_videos,) float32 seconds per temporal grid step (Qwen2.5-VL M-RoPE).
+    """
+
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
+    pixel_values_videos: Optional[torch.Tensor] = None
+    video_grid_thw: Optional[torch.Tensor] = None
+    second_per_grid_ts: Optional[torch.Tensor] = None
+
+    @property
+    def num_images(self) -> int:
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+
+    @property
+    def num_videos(self) -> int:
+        return 0 if self.video_grid_thw is None else int(self.video_grid_thw.shape[0])
+
+    @staticmethod
+    def concat(items: list["VisionInputs"]) -> "VisionInputs":
+        """Concatenate the vision inputs of several prompts in order (for one batched forward)."""
+
+        def cat(name: str) -> Optional[torch.Tensor]:
+            parts = [getattr(v, name) for v in items if getattr(v, name) is not None]
+            return torch.cat(parts, dim=0) if parts else None
+
+        return VisionInputs(
+            pixel_values=cat("pixel_values"),
+            image_grid_thw=cat("image_grid_thw"),
+            pixel_values_videos=cat("pixel_values_videos"),
+            video_grid_thw=cat("video_grid_thw"),
+            second_per_grid_ts=cat("second_per_grid_ts"),
+        )
+
+
+@dataclass
+class PromptSample:
+    """One prompt ready for the model: token ids with vision placeholders already expanded.
+
+    Attributes:
+        uid: stable id, ``<split>:<row index>`` of the source file.
+        prompt_ids: (L,) int64 token ids of the chat-formatted prompt, ending with the assistant header.
+        vision: patchified images/videos referenced by the placeholders in ``prompt_ids``.
+        ground_truth: the reference answer (string) for the reward function.
+        task: data source / task name (metrics are also reported per task).
+        options: the multiple-choice options if the task has them (else empty).
+    """
+
+    uid: str
+    prompt_ids: torch.Tensor
+    vision: VisionInputs
+    ground_truth: str
+    task: str = "default"
+    options: list[str] = field(default_factory=list)
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.prompt_ids.shape[0])
+
+
+@dataclass
+class Response:
+    """One sampled response.
+
+    Attributes:
+        prompt_index: index of its prompt in the request's prompt list.
+        token_ids: (R,) int64 generated tokens (EOS included when generated).
+        logprobs: (R,) float32 log-probs of those tokens under the sampling distribution
+            (logits / temperature, before top-p/top-k truncation).
+        text: decoded response (special tokens skipped).
+        finish_reason: ``stop`` (EOS or stop string) or ``length`` (max_new_tokens reached).
+    """
+
+    prompt_index: int
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    text: str
+    finish_reason: str
+
+
+@dataclass
+class TrainBatch:
+    """Responses grouped by prompt, with everything the actor update needs.
+
+    Attributes:
+        prompts: the P prompts of the step.
+        group_index: (N,) int64 prompt index of each response (responses of a group are contiguous).
+        response_ids: (N, R) int64, right-padded with the pad token.
+        response_mask: (N, R) float32, 1 on real response tokens.
+        advantages: (N, R) float32 token-level advantages (zero outside the mask).
+        old_logprobs: (N, R) float32 log-probs under the weights that sampled (None before computed).
+        ref_logprobs: (N, R) float32 reference log-probs (None when no KL is used).
+        rollout_logprobs: (N, R) float32 log-probs reported by the rollout engine (diagnostics).
+    """
+
+    prompts: list[PromptSample]
+    group_index: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: Optional[torch.Tensor] = None
+    old_logprobs: Optional[torch.Tensor] = None
+    ref_logprobs: Optional[torch.Tensor] = None
+    rollout_logprobs: Optional[torch.Tensor] = None
+
+    @property
+    def num_responses(self) -> int:
+        return int(self.response_ids.shape[0])
+
+    def select_groups(self, prompt_indices: list[int]) -> "TrainBatch":
+        """The sub-batch holding the responses of the given prompts (prompt indices renumbered)."""
+        remap = {p: i for i, p in enumerate(prompt_indices)}
+        rows = [i for i, g in enumerate(self.group_index.tolist()) if g in remap]
+        idx = torch.tensor(rows, dtype=torch.long)
+
+        def take(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t.index_select(0, idx)
+
+        return TrainBatch(
+            prompts=[self.prompts[p] for p in prompt_indices],
+            group_index=torch.tensor([remap[int(g)] for g in self.group_index[idx].tolist()], dtype=torch.long),
+            response_ids=take(self.response_ids),
+            response_mask=take(self.response_mask),
+            advantages=take(self.advantages),
+            old_logprobs=take(self.old_logprobs),
+            ref_logprobs=take(self.ref_logprobs),
+            rollout_logprobs=take(self.rollout_logprobs),
+        )

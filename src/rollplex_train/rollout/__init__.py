@@ -1,0 +1,1 @@
+"""Rollout engines: the protocol, the built-in transformers engine, the SGLang adapter."""

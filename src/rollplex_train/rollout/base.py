@@ -1,0 +1,106 @@
+"""The rollout-engine protocol and its registry.
+
+A rollout engine turns prompts into sampled responses with per-token log-probs. The built-in engine
+(transformers, CPU/GPU) and the SGLang adapter (GPU) implement the same three-part contract:
+``generate``, ``update_weights`` (versioned), ``release_memory``/``resume_memory``.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from rollplex_train.data.types import PromptSample, Response
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request.
+
+    Attributes:
+        n: responses per prompt.
+        temperature: 0 means greedy.
+        top_p, top_k: nucleus / top-k truncation (top_k=-1 off).
+        max_new_tokens: response length cap in tokens.
+        stop: stop strings (kept in the response).
+        ignore_eos: never stop early (benchmarks).
+        seed: seed of the sampling generator (same seed, same weights -> same tokens).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 16
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    seed: int = 0
+
+
+class StaleWeightsError(RuntimeError):
+    """A request or weight update carries a weights version other than the engine's."""
+
+
+class RolloutEngine(abc.ABC):
+    """Base class of rollout engines (verl ``workers/rollout/base.py`` in spirit)."""
+
+    weights_version: int = 0
+
+    @abc.abstractmethod
+    def generate(
+        self, prompts: list[PromptSample], params: SamplingParams, weights_version: Optional[int] = None
+    ) -> list[Response]:
+        """Sample ``params.n`` responses per prompt, grouped: prompt 0's n responses first.
+
+        Raises:
+            StaleWeightsError: ``weights_version`` is given and differs from the engine's.
+            RuntimeError: the engine's memory is released.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Load new policy weights and set the weights version.
+
+        Raises:
+            StaleWeightsError: ``version`` is not newer than the current one.
+        """
+
+    @abc.abstractmethod
+    def release_memory(self) -> None:
+        """Free the engine's device memory (KV cache, and weights where the backend supports it)."""
+
+    @abc.abstractmethod
+    def resume_memory(self) -> None:
+        """Re-acquire what ``release_memory`` freed; generate works again after this."""
+
+
+_REGISTRY: dict[str, Callable[..., RolloutEngine]] = {}
+# Engines shipped with the package, imported on first use (GPU-only ones pull their library lazily).
+_ENGINE_MODULES = {"builtin": "rollplex_train.rollout.builtin", "sglang": "rollplex_train.rollout.sglang"}
+
+
+def register_rollout_engine(name: str):
+    """Class decorator: make an engine constructible by ``rollout.name``."""
+
+    def deco(cls):
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def create_rollout_engine(name: str, **kwargs) -> RolloutEngine:
+    """Build the engine registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (lists the known ones).
+    """
+    if name in _ENGINE_MODULES and name not in _REGISTRY:
+        importlib.import_module(_ENGINE_MODULES[name])  # runs the module's register decorator
+    if name not in _REGISTRY:
+        raise ValueError(f"rollout.name={name!r}: expected one of {sorted(_REGISTRY)}")
+    return _REGISTRY[name](**kwargs)

@@ -1,0 +1,200 @@
+"""The built-in rollout engine: batched sampling over a transformers KV cache.
+
+Per request: the P prompts are prefilled once (left-padded, vision encoded once per prompt), the KV
+cache is repeated ``n`` times along the batch (the n responses of a prompt share its prefill, as
+SGLang's radix cache does), then tokens are decoded for all live sequences together. Finished
+sequences are dropped from the cache, so the decode batch shrinks along the long tail.
+
+Sampling follows the usual order: logits / temperature -> top-k -> top-p -> multinomial draw with a
+seeded ``torch.Generator``. The returned log-prob of a token is taken from ``log_softmax(logits /
+temperature)`` before truncation, the distribution the actor recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from rollplex_train.data.types import PromptSample, Response, VisionInputs
+from rollplex_train.models.loading import load_model, load_tokenizer
+from rollplex_train.models.sequence import rope_positions, vision_kwargs
+from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
+
+log = logging.getLogger(__name__)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits outside top-k / the top-p nucleus with -inf.
+
+    Args:
+        logits: (B, V) float32 (already divided by the temperature).
+        top_k: keep the k largest (-1: off). top_p: keep the smallest set with mass >= top_p.
+
+    Returns:
+        (B, V) float32 with removed entries at -inf (the most likely token always survives).
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        remove_sorted = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already >= p
+        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def left_pad(prompts: list[PromptSample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, L) int64 left-padded prompt ids and their attention mask."""
+    max_len = max(p.prompt_length for p in prompts)
+    ids = torch.full((len(prompts), max_len), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), max_len), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, max_len - p.prompt_length :] = p.prompt_ids
+        mask[i, max_len - p.prompt_length :] = 1
+    return ids, mask
+
+
+@register_rollout_engine("builtin")
+class BuiltinRolloutEngine(RolloutEngine):
+    """transformers-based engine; one instance lives in its own Ray actor process.
+
+    Args:
+        model_path: local HF checkpoint directory.
+        dtype: parameter dtype name. attn_implementation: ``sdpa`` or ``eager``.
+        max_batch_size: most sequences decoded together (requests are split into chunks of prompts).
+    """
+
+    def __init__(self, model_path: str, dtype: str = "float32", attn_implementation: str = "sdpa",
+                 max_batch_size: int = 256):
+        self.model = load_model(model_path, dtype, attn_implementation)
+        self.model.requires_grad_(False)
+        self.tokenizer = load_tokenizer(model_path)
+        self.eos_ids = self._eos_ids()
+        self.pad_id = self.tokenizer.pad_token_id
+        self.max_batch_size = max_batch_size
+        self.weights_version = 0
+        self._released = False
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        ids.add(self.tokenizer.eos_token_id)
+        return {i for i in ids if i is not None}
+
+    # ---- protocol -------------------------------------------------------------------------------
+    def generate(self, prompts: list[PromptSample], params: SamplingParams,
+                 weights_version: Optional[int] = None) -> list[Response]:
+        if self._released:
+            raise RuntimeError("rollout engine memory is released: call resume_memory() before generate()")
+        if weights_version is not None and weights_version != self.weights_version:
+            raise StaleWeightsError(
+                f"request for weights version {weights_version}, engine holds version {self.weights_version}"
+            )
+        gen = torch.Generator().manual_seed(params.seed)
+        per_chunk = max(1, self.max_batch_size // params.n)
+        out: list[Response] = []
+        for start in range(0, len(prompts), per_chunk):
+            chunk = prompts[start : start + per_chunk]
+            for r in self._generate_chunk(chunk, params, gen):
+                r.prompt_index += start
+                out.append(r)
+        return out
+
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        if version <= self.weights_version:
+            raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
+        missing, unexpected = self.model.load_state_dict(named_tensors, strict=False)
+        unexpected = [k for k in unexpected]
+        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
+            raise ValueError(f"weight update does not match the model: missing={missing} unexpected={unexpected}")
+        self.weights_version = version
+
+    def release_memory(self) -> None:
+        # The KV cache lives only inside a request, so between requests there is no cache to free;
+        # on CPU the weights stay (they are shared with the trainer in the embedded run).
+        self._released = True
+
+    def resume_memory(self) -> None:
+        self._released = False
+
+    # ---- decode ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _generate_chunk(self, prompts: list[PromptSample], params: SamplingParams,
+                        gen: torch.Generator) -> list[Response]:
+        from transformers import DynamicCache
+
+        model, n = self.model, params.n
+        ids, mask = left_pad(prompts, self.pad_id)
+        vision = VisionInputs.concat([p.vision for p in prompts])
+        position_ids, deltas = rope_positions(model, ids, mask, vision)
+        cache = DynamicCache(config=model.config)
+        out = model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache,
+                          use_cache=True, **vision_kwargs(vision))
+        last_hidden = out.last_hidden_state[:, -1]  # (P, H): left padding puts every prompt's end last
+        cache.batch_repeat_interleave(n)
+        last_hidden = last_hidden.repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        deltas = deltas.repeat_interleave(n, dim=0)
+        num_real = mask.sum(-1)  # (B,) real tokens so far = index of the next token
+        batch = last_hidden.shape[0]
+        alive = torch.arange(batch)  # row -> original sequence index
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        logps: list[list[float]] = [[] for _ in range(batch)]
+        finish = ["length"] * batch
+        stop_strings = tuple(params.stop)
+
+        for step in range(params.max_new_tokens):
+            logits = model.lm_head(last_hidden).float()
+            if params.temperature > 0:
+                scaled = logits / params.temperature
+                logp_all = torch.log_softmax(scaled, dim=-1)
+                probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+                next_tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            else:
+                logp_all = torch.log_softmax(logits, dim=-1)
+                next_tok = logits.argmax(-1)
+            next_logp = logp_all.gather(-1, next_tok.unsqueeze(-1)).squeeze(-1)
+            keep = []
+            for row, seq in enumerate(alive.tolist()):
+                tok = int(next_tok[row])
+                tokens[seq].append(tok)
+                logps[seq].append(float(next_logp[row]))
+                done = False
+                if not params.ignore_eos and tok in self.eos_ids:
+                    done = True
+                elif stop_strings:
+                    tail = self.tokenizer.decode(tokens[seq][-16:], skip_special_tokens=True)
+                    done = any(tail.endswith(s) for s in stop_strings)
+                if done:
+                    finish[seq] = "stop"
+                else:
+                    keep.append(row)
+            if not keep or step == params.max_new_tokens - 1:
+                break
+            if len(keep) < len(alive):
+                sel = torch.tensor(keep, dtype=torch.long)
+                cache.batch_select_indices(sel)
+                alive, next_tok, mask = alive[sel], next_tok[sel], mask[sel]
+                num_real, deltas = num_real[sel], deltas[sel]
+            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=torch.long)], dim=1)
+            pos = (num_real.view(-1, 1) + deltas).view(1, -1, 1).expand(3, -1, -1)
+            out = model.model(input_ids=next_tok.view(-1, 1), attention_mask=mask, position_ids=pos,
+                              cache=cache, use_cache=True)
+            last_hidden = out.last_hidden_state[:, -1]
+            num_real = num_real + 1
+
+        responses = []
+        for seq in range(batch):
+            ids_t = torch.tensor(tokens[seq], dtype=torch.long)
+            responses.append(Response(
+                prompt_index=seq // n,
+                token_ids=ids_t,
+                logprobs=torch.tensor(logps[seq], dtype=torch.float32),
+                text=self.tokenizer.decode(tokens[seq], skip_special_tokens=True),
+                finish_reason=finish[seq],
+            ))
+        return responses

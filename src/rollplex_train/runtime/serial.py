@@ -1,0 +1,86 @@
+"""The ``serial`` schedule: verl's phases one after another on the whole device budget.
+
+rollout (decode) -> reward -> old-policy log-probs -> reference log-probs -> advantages ->
+actor update -> weight sync. Each phase is timed under verl's metric names (``timing_s/*``).
+"""
+
+from __future__ import annotations
+
+import ray
+
+from rollplex_train.algo.rewards import RewardManager
+from rollplex_train.cluster.ray_cluster import WorkerGroup
+from rollplex_train.config import Config
+from rollplex_train.data.types import PromptSample
+from rollplex_train.rollout.base import SamplingParams
+from rollplex_train.runtime import batching
+from rollplex_train.tracking.timing import compute_throughput, timer, timing_metrics
+
+
+def sampling_params(cfg: Config, step: int, validate: bool = False) -> SamplingParams:
+    """The step's sampling parameters; the seed depends only on (rollout.seed, step), so a resumed
+    run samples exactly what an uninterrupted one would."""
+    r = cfg.rollout
+    return SamplingParams(
+        n=1 if validate else r.n,
+        temperature=r.val_temperature if validate else r.temperature,
+        top_p=1.0 if validate else r.top_p,
+        top_k=-1 if validate else r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop=tuple(r.stop),
+        ignore_eos=r.ignore_eos,
+        seed=r.seed + step,
+    )
+
+
+class SerialSchedule:
+    """Drives one training step through the worker group, phase after phase.
+
+    Args:
+        cfg: the run's config. workers: the colocated rollout + train workers.
+        reward: the reward manager (runs in the driver). pad_id: the tokenizer's pad token id.
+    """
+
+    def __init__(self, cfg: Config, workers: WorkerGroup, reward: RewardManager, pad_id: int):
+        self.cfg, self.workers, self.reward, self.pad_id = cfg, workers, reward, pad_id
+        self.weights_version = 0
+
+    def sync_weights(self, version: int) -> None:
+        """Push the actor's weights to the rollout engine as ``version``."""
+        weights = self.workers.train.rollout_weights.remote()
+        ray.get(self.workers.rollout.update_weights.remote(weights, version))
+        self.weights_version = version
+
+    def run_step(self, prompts: list[PromptSample], step: int) -> dict[str, float]:
+        """One synchronous on-policy step; returns the step's metrics."""
+        cfg, w = self.cfg, self.workers
+        temp = cfg.rollout.temperature
+        t: dict[str, float] = {}
+        with timer("step", t):
+            with timer("gen", t):
+                responses = ray.get(w.rollout.generate.remote(prompts, sampling_params(cfg, step), self.weights_version))
+            batch = batching.to_train_batch(prompts, responses, self.pad_id)
+            with timer("reward", t):
+                scores, metrics = batching.score_responses(self.reward, batch, responses)
+            with timer("old_log_prob", t):
+                batch.old_logprobs, _ = ray.get(w.train.compute_log_probs.remote(batch, "actor", temp))
+            if cfg.algorithm.needs_reference:
+                with timer("ref", t):
+                    batch.ref_logprobs, _ = ray.get(w.train.compute_log_probs.remote(batch, "ref", temp))
+            with timer("adv", t):
+                metrics.update(batching.add_advantages(cfg, batch, scores))
+            with timer("update_actor", t):
+                metrics.update(ray.get(w.train.update_actor.remote(batch, temp)))
+            with timer("update_weights", t):
+                self.sync_weights(self.weights_version + 1)
+        metrics.update(batching.batch_metrics(batch, responses, cfg.rollout.max_new_tokens))
+        metrics.update(timing_metrics(t))
+        metrics["perf/total_num_tokens"] = float(batching.num_tokens(batch))
+        metrics["perf/throughput"] = compute_throughput(batching.num_tokens(batch), t["step"], num_devices=1)
+        metrics["actor/weights_version"] = float(self.weights_version)
+        return metrics
+
+    def generate_val(self, prompts: list[PromptSample], step: int):
+        """Greedy (``rollout.val_temperature``) single responses for validation."""
+        params = sampling_params(self.cfg, step, validate=True)
+        return ray.get(self.workers.rollout.generate.remote(prompts, params, self.weights_version))

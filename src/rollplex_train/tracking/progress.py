@@ -1,0 +1,69 @@
+"""A thin tqdm progress bar over training steps."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["ProgressBar"]
+
+SCORE_KEY = "critic/score/mean"
+STEP_TIME_KEY = "timing_s/step"
+
+
+class ProgressBar:
+    """One tqdm bar over training steps, with the score and step time in its postfix.
+
+    Args:
+        total: Total number of training steps (the bar's end).
+        initial: Steps already done (``> 0`` when resuming).
+        enabled: ``False`` -> no bar and no output at all; every method is a no-op.
+
+    The bar writes to stderr (tqdm's default). Use it as a context manager or call :meth:`close`.
+    """
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True) -> None:
+        self.enabled = bool(enabled)
+        self._bar: Any = None
+        if self.enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, step_metrics: Mapping[str, Any] | None = None, num_steps: int = 1) -> None:
+        """Advance by ``num_steps`` and show ``score`` and ``step_s`` from ``step_metrics``.
+
+        Args:
+            step_metrics: The step's metrics; ``critic/score/mean`` and ``timing_s/step`` (seconds)
+                are shown when present and finite, other keys are ignored.
+            num_steps: Steps to advance.
+        """
+        if self._bar is None:
+            return
+        postfix: dict[str, str] = {}
+        for label, key in (("score", SCORE_KEY), ("step_s", STEP_TIME_KEY)):
+            value = (step_metrics or {}).get(key)
+            if value is None:
+                continue
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(value):
+                postfix[label] = f"{value:.3g}" if label == "score" else f"{value:.1f}"
+        if postfix:
+            self._bar.set_postfix(postfix, refresh=False)
+        self._bar.update(num_steps)
+
+    def close(self) -> None:
+        """Close the bar (idempotent)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

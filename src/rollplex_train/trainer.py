@@ -1,0 +1,182 @@
+"""The single controller: data -> schedule (workers) -> metrics, checkpoints, validation.
+
+The loop reads like the algorithm (EasyR1 ``ray_trainer.fit``): take a prompt batch, run one
+synchronous on-policy step through the schedule, log, validate every ``trainer.val_freq`` steps,
+checkpoint every ``trainer.save_freq`` steps. Everything that can be checked before a worker starts
+(checkpoint path, data files and columns, reward function) is checked in ``__init__``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+from collections import defaultdict
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from rollplex_train.algo.rewards import RewardManager
+from rollplex_train.config import Config
+from rollplex_train.data.dataset import PromptDataset, PromptLoader
+from rollplex_train.models.loading import check_checkpoint_dir, load_tokenizer, load_vision_spec
+from rollplex_train.tracking.checkpoint import CheckpointManager, load_json, save_json
+from rollplex_train.tracking.loggers import Tracker
+from rollplex_train.tracking.progress import ProgressBar
+
+log = logging.getLogger(__name__)
+
+# Test hook: SIGKILL the driver at the start of this step (after the previous step's checkpoint).
+KILL_AT_STEP_ENV = "ROLLPLEX_KILL_AT_STEP"
+
+
+class Trainer:
+    """Owns the run: datasets, reward, checkpoints, trackers; drives the schedule.
+
+    Args:
+        cfg: validated config. output_dir: the run directory (metrics, checkpoints, exports).
+
+    Raises:
+        FileNotFoundError / ValueError: a missing checkpoint or data file, a missing column, an
+            empty dataset, or a bad reward function, before any worker is started.
+    """
+
+    def __init__(self, cfg: Config, output_dir: Path):
+        self.cfg, self.output_dir = cfg, Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        check_checkpoint_dir(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        merge = load_vision_spec(cfg.model.path).merge_size
+        self.train_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.train_files, "train", merge_size=merge)
+        self.val_set = (
+            PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files, "val", merge_size=merge)
+            if cfg.data.val_files else None
+        )
+        self.loader = PromptLoader(self.train_set, cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
+        self.reward = RewardManager(cfg.reward.function, cfg.reward.format_weight)
+        self.ckpt = CheckpointManager(self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+        self.step = 0
+        self.schedule = None
+
+    # ---- run --------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, float]:
+        """Train for ``trainer.total_steps`` steps (resuming if asked); returns the last metrics."""
+        from rollplex_train.cluster.ray_cluster import create_worker_group, start_ray
+        from rollplex_train.runtime import make_schedule
+
+        cfg = self.cfg
+        start_ray(cfg, self.output_dir)
+        workers = create_worker_group(cfg)
+        self.schedule = make_schedule(cfg, workers, self.reward, self.tokenizer.pad_token_id)
+        self._maybe_resume()
+        tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
+                          cfg.trainer.experiment_name, OmegaConf.to_container(OmegaConf.structured(cfg)))
+        last: dict[str, float] = {}
+        try:
+            if cfg.trainer.val_before_train and self.step == 0 and self.val_set is not None:
+                last = self.validate()
+                tracker.log(last, step=0)
+            bar = ProgressBar(cfg.trainer.total_steps, initial=self.step, enabled=cfg.trainer.progress_bar)
+            while self.step < cfg.trainer.total_steps:
+                self.step += 1
+                self._fault_hook()
+                prompts, num_skipped = self.loader.next_batch()
+                metrics = self.schedule.run_step(prompts, self.step)
+                metrics["data/skipped"] = float(num_skipped)
+                metrics["data/skipped_total"] = float(sum(self.train_set.skipped.values()))
+                metrics["training/epoch"] = float(self.loader.state_dict().get("epoch", 0))
+                done = self.step == cfg.trainer.total_steps
+                if self.val_set is not None and cfg.trainer.val_freq > 0 and (
+                    self.step % cfg.trainer.val_freq == 0 or done
+                ):
+                    metrics.update(self.validate())
+                if done or (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0):
+                    self.save_checkpoint()
+                tracker.log(metrics, step=self.step)
+                bar.update(metrics)
+                last = metrics
+            bar.close()
+            if cfg.trainer.export_hf:
+                import ray
+
+                ray.get(workers.train.export_hf.remote(str(self.output_dir / "hf_actor")))
+        finally:
+            tracker.close()
+        return last
+
+    def validate(self) -> dict[str, float]:
+        """Greedy accuracy on the validation split, overall and per task (``val/*``)."""
+        scores_by_task: dict[str, list[float]] = defaultdict(list)
+        max_samples = self.cfg.data.max_val_samples
+        seen = 0
+        for prompts in self.val_set.iter_all(self.cfg.data.val_batch_size):
+            if max_samples > 0:
+                prompts = prompts[: max_samples - seen]
+            if not prompts:
+                break
+            responses = self.schedule.generate_val(prompts, self.step)
+            scores, _ = self.reward.score(
+                [r.text for r in responses],
+                [prompts[r.prompt_index].ground_truth for r in responses],
+                [prompts[r.prompt_index].uid for r in responses],
+                [list(prompts[r.prompt_index].options) for r in responses],
+            )
+            for r, s in zip(responses, scores.tolist()):
+                scores_by_task[prompts[r.prompt_index].task].append(s)
+            seen += len(prompts)
+            if 0 < max_samples <= seen:
+                break
+        all_scores = [s for v in scores_by_task.values() for s in v]
+        out = {"val/score/mean": float(np.mean(all_scores)) if all_scores else float("nan")}
+        for task, vals in sorted(scores_by_task.items()):
+            out[f"val/{task}/score"] = float(np.mean(vals))
+        log.info("validation at step %d: %s", self.step, {k: round(v, 4) for k, v in out.items()})
+        return out
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        """Atomically write the actor/optimizer (by the train worker) and the driver's state."""
+        import ray
+
+        def write(directory: Path) -> None:
+            ray.get(self.schedule.workers.train.save_checkpoint.remote(str(directory)))
+            save_json(self._driver_state(), directory / "trainer_state.json")
+
+        path = self.ckpt.save(self.step, write)
+        log.info("checkpoint saved: %s", path)
+        return path
+
+    def _driver_state(self) -> dict:
+        return {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "weights_version": self.schedule.weights_version,
+            "python_rng": repr(random.getstate()),
+            "numpy_seed_state": int(np.random.get_state()[1][0]),
+            "torch_seed": int(torch.initial_seed()),
+        }
+
+    def _maybe_resume(self) -> Optional[Path]:
+        import ray
+
+        path = self.ckpt.resolve_resume(self.cfg.trainer.resume)
+        if path is None:
+            return None
+        state = load_json(Path(path) / "trainer_state.json")
+        version = ray.get(self.schedule.workers.train.load_checkpoint.remote(str(path)))
+        self.loader.load_state_dict(state["loader"])
+        self.step = int(state["step"])
+        if version > 0:
+            self.schedule.sync_weights(version)
+        log.info("resumed from %s at step %d (weights version %d)", path, self.step, version)
+        return Path(path)
+
+    def _fault_hook(self) -> None:
+        kill_at = os.environ.get(KILL_AT_STEP_ENV)
+        if kill_at is not None and int(kill_at) == self.step:
+            log.warning("%s=%s: killing the driver with SIGKILL", KILL_AT_STEP_ENV, kill_at)
+            os.kill(os.getpid(), signal.SIGKILL)

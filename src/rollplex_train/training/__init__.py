@@ -1,0 +1,1 @@
+"""Training engines: the protocol, the torch backend, the Megatron adapter."""

@@ -1,0 +1,89 @@
+"""The training-engine protocol (actor + frozen reference in one worker) and its registry."""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from rollplex_train.data.types import TrainBatch
+
+
+class TrainEngine(abc.ABC):
+    """Holds the actor (trainable), the reference (frozen) and the optimizer.
+
+    ``weights_version`` counts completed actor updates; it starts at 0 with the loaded checkpoint.
+    """
+
+    weights_version: int = 0
+
+    @abc.abstractmethod
+    def compute_log_probs(
+        self, batch: TrainBatch, role: str, temperature: float = 1.0, with_entropy: bool = False
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Log-probs (N, R) float32 (and entropy) of the batch's responses under ``role``.
+
+        Args:
+            role: ``actor`` (current weights, no grad: the old-policy pass) or ``ref``.
+
+        Raises:
+            ValueError: unknown role.
+        """
+
+    @abc.abstractmethod
+    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+        """One PPO update over the batch (mini-batches x epochs); returns ``actor/*`` metrics.
+
+        Requires ``batch.advantages`` and ``batch.old_logprobs`` (and ``ref_logprobs`` with a KL loss).
+        Increments ``weights_version`` by one.
+        """
+
+    @abc.abstractmethod
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        """The actor weights under the rollout engine's parameter names."""
+
+    @abc.abstractmethod
+    def save_checkpoint(self, directory: Path) -> None:
+        """Write actor weights, optimizer and scheduler state and the weights version into ``directory``."""
+
+    @abc.abstractmethod
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore what ``save_checkpoint`` wrote.
+
+        Raises:
+            FileNotFoundError: a file of the checkpoint is missing.
+        """
+
+    @abc.abstractmethod
+    def export_hf(self, directory: Path) -> None:
+        """Write the actor as a Hugging Face checkpoint directory (loadable with from_pretrained)."""
+
+
+_REGISTRY: dict[str, Callable[..., TrainEngine]] = {}
+_ENGINE_MODULES = {"torch": "rollplex_train.training.torch_engine", "megatron": "rollplex_train.training.megatron"}
+
+
+def register_train_engine(name: str):
+    """Class decorator: make a training engine constructible by ``actor.backend``."""
+
+    def deco(cls):
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def create_train_engine(name: str, **kwargs) -> TrainEngine:
+    """Build the training engine registered as ``name``.
+
+    Raises:
+        ValueError: unknown name (lists the known ones).
+    """
+    if name in _ENGINE_MODULES and name not in _REGISTRY:
+        importlib.import_module(_ENGINE_MODULES[name])
+    if name not in _REGISTRY:
+        raise ValueError(f"actor.backend={name!r}: expected one of {sorted(_ENGINE_MODULES)}")
+    return _REGISTRY[name](**kwargs)

@@ -1,0 +1,198 @@
+"""The plain-torch training backend: actor + frozen reference + AdamW in one process.
+
+Loss per micro-batch (GRPO, Shao et al. 2024 eq. 3, with verl's options):
+    loss = pg_loss + [use_kl_loss] kl_coef * KL(actor || ref) - entropy_coeff * entropy
+where each term is aggregated with ``actor.loss_agg_mode`` over the *mini-batch* token/sequence
+counts, so that the sum of micro-batch losses equals the mini-batch loss exactly (no dependence on
+how responses are split into micro-batches).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rollplex_train.algo.losses import agg_loss, batch_counts, kl_loss, policy_loss
+from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
+from rollplex_train.data.types import TrainBatch
+from rollplex_train.models.loading import load_model, load_tokenizer
+from rollplex_train.models.sequence import build_full_sequences, response_logprobs
+from rollplex_train.training.base import TrainEngine, register_train_engine
+
+log = logging.getLogger(__name__)
+
+
+def _rows(batch: TrainBatch, rows: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
+    """The per-response tensors of ``batch`` at ``rows`` (group_index keeps global prompt ids)."""
+    take = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
+    return dict(
+        group_index=take(batch.group_index),
+        response_ids=take(batch.response_ids),
+        response_mask=take(batch.response_mask),
+        advantages=take(batch.advantages),
+        old_logprobs=take(batch.old_logprobs),
+        ref_logprobs=take(batch.ref_logprobs),
+    )
+
+
+@register_train_engine("torch")
+class TorchTrainEngine(TrainEngine):
+    """Actor and reference as transformers models on one device (CPU here).
+
+    Args:
+        model: model section (checkpoint path, dtype, frozen vision tower).
+        actor: optimizer and PPO settings. algorithm: KL settings.
+        seed: seeds torch before the optimizer is built.
+    """
+
+    def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1):
+        torch.manual_seed(seed)
+        self.model_cfg, self.cfg, self.algo = model, actor, algorithm
+        self.actor = load_model(model.path, model.dtype, model.attn_implementation)
+        self.tokenizer = load_tokenizer(model.path)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.ref = None
+        if algorithm.needs_reference:
+            self.ref = copy.deepcopy(self.actor).requires_grad_(False).eval()
+        if model.freeze_vision_tower:
+            self.actor.model.visual.requires_grad_(False)
+        self.params = [p for p in self.actor.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay
+        )
+        warmup = max(actor.lr_warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        )
+        self.weights_version = 0
+
+    # ---- scoring ----------------------------------------------------------------------------------
+    def _forward(self, model, batch: TrainBatch, rows: torch.Tensor, temperature: float, with_entropy: bool):
+        part = _rows(batch, rows)
+        ids, mask, plen, vision = build_full_sequences(
+            batch.prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
+        )
+        return part, response_logprobs(
+            model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
+            temperature=temperature, with_entropy=with_entropy,
+        )
+
+    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        return list(rows.split(self.cfg.micro_batch_size))
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
+                          with_entropy: bool = False):
+        if role not in ("actor", "ref"):
+            raise ValueError(f"role={role!r}: expected 'actor' or 'ref'")
+        model = self.actor if role == "actor" else self.ref
+        if model is None:
+            raise ValueError("reference log-probs requested but no KL is configured (algorithm.kl_coef/use_kl_*)")
+        model.eval()
+        logps, ents = [], []
+        for rows in self._micro_batches(torch.arange(batch.num_responses)):
+            _, (lp, ent) = self._forward(model, batch, rows, temperature, with_entropy)
+            logps.append(lp)
+            ents.append(ent)
+        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+
+    # ---- update -----------------------------------------------------------------------------------
+    def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
+        if batch.advantages is None or batch.old_logprobs is None:
+            raise ValueError("update_actor needs batch.advantages and batch.old_logprobs")
+        use_kl = self.algo.use_kl_loss and self.ref is not None
+        if use_kl and batch.ref_logprobs is None:
+            raise ValueError("algorithm.use_kl_loss is on but batch.ref_logprobs is missing")
+        num_prompts = len(batch.prompts)
+        mini = self.cfg.ppo_mini_batch_size if self.cfg.ppo_mini_batch_size > 0 else num_prompts
+        sums: dict[str, float] = {}
+        count = 0
+        self.actor.train()
+        for _ in range(self.cfg.ppo_epochs):
+            for start in range(0, num_prompts, mini):
+                prompt_ids = set(range(start, min(start + mini, num_prompts)))
+                rows = torch.tensor([i for i, g in enumerate(batch.group_index.tolist()) if g in prompt_ids])
+                metrics = self._update_mini_batch(batch, rows, use_kl, temperature)
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                count += 1
+        self.actor.eval()
+        self.weights_version += 1
+        out = {k: v / count for k, v in sums.items()}
+        out["actor/lr"] = self.scheduler.get_last_lr()[0]
+        return out
+
+    def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool,
+                           temperature: float) -> dict[str, float]:
+        cfg = self.cfg
+        num_tokens, num_seqs = batch_counts(batch.response_mask.index_select(0, rows))
+        metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0,
+                   "actor/kl_loss": 0.0, "actor/entropy": 0.0}
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in self._micro_batches(rows):
+            part, (logp, ent) = self._forward(self.actor, batch, micro, temperature, with_entropy=True)
+            mask = part["response_mask"]
+            weight = float(mask.sum()) / max(num_tokens, 1)  # token share of this micro-batch
+            loss, pg = policy_loss(
+                logp, part["old_logprobs"], part["advantages"], mask,
+                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
+            )
+            metrics["actor/pg_loss"] += float(loss.detach())
+            metrics["actor/pg_clipfrac"] += pg["actor/pg_clipfrac"] * weight
+            metrics["actor/ppo_kl"] += pg["actor/ppo_kl"] * weight
+            entropy = agg_loss(ent, mask, cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+            metrics["actor/entropy"] += float(entropy.detach())
+            if cfg.entropy_coeff:
+                loss = loss - cfg.entropy_coeff * entropy
+            if use_kl:
+                kl = kl_loss(logp, part["ref_logprobs"], mask, self.algo.kl_estimator, cfg.loss_agg_mode,
+                             num_tokens=num_tokens, num_seqs=num_seqs)
+                metrics["actor/kl_loss"] += float(kl.detach())
+                loss = loss + self.algo.kl_coef * kl
+            loss.backward()
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics["actor/grad_norm"] = grad_norm
+        return metrics
+
+    # ---- weights and checkpoints ------------------------------------------------------------------
+    def rollout_weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.actor.state_dict().items()}
+
+    def save_checkpoint(self, directory: Path) -> None:
+        directory = Path(directory)
+        torch.save(self.actor.state_dict(), directory / "actor.pt")
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+             "weights_version": self.weights_version, "torch_rng": torch.get_rng_state()},
+            directory / "optim.pt",
+        )
+
+    def load_checkpoint(self, directory: Path) -> None:
+        directory = Path(directory)
+        for name in ("actor.pt", "optim.pt"):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"checkpoint {directory} lacks {name}")
+        self.actor.load_state_dict(torch.load(directory / "actor.pt", weights_only=True))
+        state = torch.load(directory / "optim.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.weights_version = int(state["weights_version"])
+        torch.set_rng_state(state["torch_rng"])
+
+    def export_hf(self, directory: Path) -> None:
+        from rollplex_train.tracking.export import export_hf
+
+        export_hf(self.actor, self.tokenizer, Path(directory), extra_files_from=Path(self.model_cfg.path))

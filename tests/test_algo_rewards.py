@@ -1,0 +1,147 @@
+"""Rule-based rewards, user reward files and the RewardManager."""
+
+import logging
+import math
+
+import pytest
+import torch
+
+from rollplex_train.algo.rewards import (
+    RewardManager,
+    auto_reward,
+    choice_reward,
+    extract_boxed,
+    format_reward,
+    load_reward_function,
+    math_reward,
+    number_reward,
+    parse_number,
+)
+
+
+def test_extract_boxed():
+    assert extract_boxed(r"so \boxed{\frac{1}{2}} done") == r"\frac{1}{2}"
+    assert extract_boxed(r"\boxed{1} then \boxed{ 2 }") == "2"  # the last box, stripped
+    assert extract_boxed(r"\boxed{a{b}c}") == "a{b}c"
+    assert extract_boxed(r"\boxed{1} and \boxed{2") == "1"  # unbalanced last box -> previous one
+    assert extract_boxed("no box here") is None
+
+
+def test_format_reward():
+    assert format_reward(r"answer \boxed{3}") == 1.0
+    assert format_reward("answer 3") == 0.0
+    assert format_reward(r"\boxed{ }") == 0.0
+
+
+def test_choice_reward():
+    assert choice_reward(r"\boxed{Cat.}", "cat") == 1.0  # case and trailing punctuation
+    assert choice_reward(r"\boxed{  red   panda }", "Red Panda") == 1.0  # spaces
+    assert choice_reward(r"\boxed{\text{dog}}", "dog") == 1.0
+    assert choice_reward("cat", "cat") == 0.0  # no box -> 0
+    assert choice_reward(r"\boxed{dog}", "cat") == 0.0
+    options = ["dog", "cat"]
+    assert choice_reward(r"\boxed{B}", "cat", options=options) == 1.0  # option letter
+    assert choice_reward(r"\boxed{(b)}", "cat", options=options) == 1.0
+    assert choice_reward(r"\boxed{A}", "cat", options=options) == 0.0
+    assert choice_reward(r"\boxed{C}", "cat", options=options) == 0.0  # no option C
+    labelled = ["A. dog", "B. cat"]
+    assert choice_reward(r"\boxed{cat}", "B", options=labelled) == 1.0  # letter ground truth
+    assert choice_reward(r"\boxed{B. cat}", "B", options=labelled) == 1.0
+
+
+def test_number_reward():
+    assert number_reward(r"\boxed{3.0}", "3") == 1.0
+    assert number_reward(r"\boxed{1,000}", "1000") == 1.0
+    assert number_reward(r"\boxed{3.0000001}", "3") == 1.0  # |diff| / 3 = 3.3e-8 <= 1e-6
+    assert number_reward(r"\boxed{3.001}", "3") == 0.0  # 3.3e-4 > 1e-6
+    assert number_reward(r"\boxed{-0.5}", "-1/2") == 1.0
+    assert number_reward(r"\boxed{three}", "3") == 0.0  # digits only
+    assert number_reward("3", "3") == 0.0  # no box
+    assert parse_number("1e-3") == pytest.approx(0.001)
+    assert parse_number(r"\frac{3}{4}") == pytest.approx(0.75)
+    assert parse_number("inf") is None
+
+
+def test_math_reward():
+    assert math_reward(r"\boxed{0.5}", r"\frac{1}{2}") == 1.0
+    assert math_reward(r"\boxed{1+x}", "x+1") == 1.0
+    assert math_reward(r"\boxed{3}", "2") == 0.0
+    assert math_reward("1/2", r"\frac{1}{2}") == 0.0  # no box
+
+
+def test_auto_reward_dispatch():
+    assert auto_reward(r"\boxed{4.0}", "4") == 1.0  # number
+    assert auto_reward(r"\boxed{B}", "cat", options=["dog", "cat"]) == 1.0  # choice
+    assert auto_reward(r"\boxed{four}", "4") == 0.0
+
+
+def test_load_reward_function(tmp_path):
+    assert load_reward_function("math") is math_reward
+    path = tmp_path / "my_reward.py"
+    path.write_text("def score(response, ground_truth, **kwargs):\n    return float(response == ground_truth)\n")
+    fn = load_reward_function(f"{path}:score")
+    assert fn("a", "a") == 1.0 and fn("a", "b") == 0.0
+    with pytest.raises(FileNotFoundError, match="missing.py"):
+        load_reward_function(f"{tmp_path / 'missing.py'}:score")
+    with pytest.raises(ValueError, match=r"my_reward\.py.*'nope'"):
+        load_reward_function(f"{path}:nope")
+    with pytest.raises(ValueError, match="reward.function='nonsense'.*auto"):
+        load_reward_function("nonsense")
+
+
+def test_manager_builtin_with_format_weight():
+    manager = RewardManager("choice", format_weight=0.1)
+    scores, metrics = manager.score(
+        responses=[r"\boxed{B}", r"\boxed{dog}", "cat"],
+        ground_truths=["cat", "cat", "cat"],
+        uids=["u0", "u1", "u2"],
+        options=[["dog", "cat"], [], []],
+    )
+    # accuracy [1, 0, 0], format [1, 1, 0]; score = 0.9*acc + 0.1*fmt = [1.0, 0.1, 0.0]
+    torch.testing.assert_close(scores, torch.tensor([1.0, 0.1, 0.0]))
+    assert scores.dtype == torch.float32
+    assert metrics["reward/accuracy"] == pytest.approx(1 / 3)
+    assert metrics["reward/format"] == pytest.approx(2 / 3)
+    assert metrics["reward/failed"] == 0.0
+    assert metrics["reward/score"] == pytest.approx(1.1 / 3)
+
+
+def test_manager_user_function_failures_are_logged_scored_zero_and_counted(tmp_path, caplog):
+    path = tmp_path / "flaky.py"
+    path.write_text(
+        "def score(response, ground_truth):\n"  # no **kwargs: options must not be passed
+        "    if response == 'boom':\n"
+        "        raise RuntimeError('kaboom')\n"
+        "    if response == 'nan':\n"
+        "        return float('nan')\n"
+        "    if response == 'str':\n"
+        "        return 'high'\n"
+        "    return 1.0\n"
+    )
+    manager = RewardManager(f"{path}:score", format_weight=0.5)
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.algo.rewards"):
+        scores, metrics = manager.score(
+            responses=["boom", "nan", r"ok \boxed{1}", "str"],
+            ground_truths=["1", "1", "1", "1"],
+            uids=["uid-raise", "uid-nan", "uid-ok", "uid-str"],
+            options=[[], [], [], []],
+        )
+    # accuracy [0 (raised), 0 (NaN), 1, 0 (non-number)], format [0, 0, 1, 0]
+    # score = 0.5*acc + 0.5*fmt = [0, 0, 1, 0]
+    torch.testing.assert_close(scores, torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    assert metrics["reward/failed"] == 3.0
+    assert metrics["reward/accuracy"] == pytest.approx(0.25)
+    assert metrics["reward/format"] == pytest.approx(0.25)
+    text = caplog.text
+    assert "uid-raise" in text and "kaboom" in text
+    assert "uid-nan" in text and "uid-str" in text
+    assert "uid-ok" not in text
+    assert all(math.isfinite(s) for s in scores.tolist())
+
+
+def test_manager_errors():
+    with pytest.raises(ValueError, match="reward.format_weight"):
+        RewardManager("auto", format_weight=1.5)
+    manager = RewardManager("auto", format_weight=0.0)
+    with pytest.raises(ValueError, match="equal lengths"):
+        manager.score(["a"], ["a", "b"], ["u"], [[]])

@@ -1,0 +1,137 @@
+"""Image/video loading and patchifying against transformers' Qwen2-VL processors."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from rollplex_train.data.synthetic import write_mp4
+from rollplex_train.data.vision import (
+    load_image,
+    load_video,
+    patchify_images,
+    patchify_video,
+    sample_frame_indices,
+    smart_resize,
+)
+
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112
+
+
+def _random_image(rng: np.random.Generator, h: int, w: int, mode: str = "RGB") -> Image.Image:
+    channels = {"RGB": 3, "RGBA": 4, "L": 1}[mode]
+    arr = rng.integers(0, 256, (h, w, channels), dtype=np.uint8)
+    return Image.fromarray(arr[..., 0] if channels == 1 else arr, mode)
+
+
+def test_smart_resize_matches_transformers():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
+    for h in (10, 28, 56, 57, 100, 333, 1000):
+        for w in (14, 56, 90, 500, 1200):
+            for lo, hi in ((56 * 56, 112 * 112), (4 * 28 * 28, 1280 * 28 * 28)):
+                assert smart_resize(h, w, 28, lo, hi) == hf_smart_resize(h, w, 28, lo, hi)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        smart_resize(10, 3000)
+
+
+def test_patchify_images_matches_qwen2vl_image_processor():
+    from transformers import Qwen2VLImageProcessor
+
+    rng = np.random.default_rng(0)
+    images = [_random_image(rng, h, w) for h, w in ((56, 56), (100, 37), (300, 200), (20, 20), (112, 112))]
+    images += [_random_image(rng, 40, 60, "RGBA"), _random_image(rng, 70, 50, "L")]
+    processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    # Without torchvision the class resolves to the PIL backend, the one we reproduce.
+    assert type(processor).__name__ == "Qwen2VLImageProcessorPil"
+    ref = processor(images=images, return_tensors="np")
+    pixel_values, grid = patchify_images(images, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    assert pixel_values.dtype == torch.float32 and grid.dtype == torch.int64
+    assert grid.tolist() == ref["image_grid_thw"].tolist()
+    assert pixel_values.shape == ref["pixel_values"].shape == (int(grid.prod(-1).sum()), 1176)
+    np.testing.assert_allclose(pixel_values.numpy(), ref["pixel_values"], rtol=0, atol=1e-6)
+
+
+def test_static_video_equals_image_path(tmp_path: Path):
+    rng = np.random.default_rng(1)
+    frame = rng.integers(0, 256, (50, 70, 3), dtype=np.uint8)
+    img_values, img_grid = patchify_images([Image.fromarray(frame)], min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    vid_values, vid_grid, seconds = patchify_video(np.stack([frame, frame]), min_pixels=MIN_PIXELS,
+                                                   max_pixels=MAX_PIXELS, sample_fps=2.0)
+    assert vid_grid.tolist() == img_grid.tolist()
+    assert torch.equal(vid_values, img_values)
+    assert seconds.dtype == torch.float32 and seconds.tolist() == [1.0]
+    # One frame is padded to two by repetition: same result.
+    one_values, one_grid, _ = patchify_video(frame[None], min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                                             sample_fps=2.0)
+    assert torch.equal(one_values, img_values) and torch.equal(one_grid, img_grid)
+
+
+def test_video_patch_layout_matches_transformers_order():
+    """Frames 2t and 2t+1 sit in the temporal slot of each patch, channel-major (C, T, ph, pw)."""
+    rng = np.random.default_rng(2)
+    frames = rng.integers(0, 256, (4, 56, 56, 3), dtype=np.uint8)
+    values, grid, seconds = patchify_video(frames, min_pixels=MIN_PIXELS, max_pixels=MIN_PIXELS, sample_fps=4.0)
+    assert grid.tolist() == [[2, 4, 4]] and seconds.tolist() == [0.5]
+    per_frame = [patchify_images([Image.fromarray(f)], min_pixels=MIN_PIXELS, max_pixels=MIN_PIXELS)[0]
+                 for f in frames]
+    v = values.view(2, 16, 3, 2, 14, 14)
+    for t in range(2):
+        for slot in range(2):
+            expect = per_frame[2 * t + slot].view(16, 3, 2, 14, 14)[:, :, 0]
+            assert torch.equal(v[t, :, :, slot], expect)
+
+
+def test_load_video_frame_count_and_fps(tmp_path: Path):
+    frames = np.stack([np.full((56, 56, 3), 20 * i, np.uint8) for i in range(8)])
+    path = tmp_path / "clip.mp4"
+    write_mp4(path, frames, fps=4)
+    got, sample_fps = load_video(path, fps=2.0, max_frames=8)
+    assert got.shape == (4, 56, 56, 3) and got.dtype == np.uint8
+    assert sample_fps == pytest.approx(2.0)
+    got, sample_fps = load_video(path, fps=8.0, max_frames=6)  # capped by max_frames
+    assert got.shape[0] == 6 and sample_fps == pytest.approx(3.0)
+    got, _ = load_video(path, fps=0.5, max_frames=8)  # at least min_frames
+    assert got.shape[0] == 4
+    means = [float(f.mean()) for f in load_video(path, fps=4.0, max_frames=8)[0]]
+    assert means == sorted(means)  # evenly spread, in order
+    with pytest.raises(FileNotFoundError, match="missing.mp4"):
+        load_video(tmp_path / "missing.mp4", fps=2.0, max_frames=8)
+    bad = tmp_path / "bad.mp4"
+    bad.write_bytes(b"not a video at all" * 10)
+    with pytest.raises(ValueError, match="bad.mp4"):
+        load_video(bad, fps=2.0, max_frames=8)
+
+
+def test_sample_frame_indices_rules():
+    assert sample_frame_indices(8, 4.0, fps=2.0, max_frames=8) == [0, 2, 5, 7]
+    assert len(sample_frame_indices(100, 10.0, fps=2.0, max_frames=8)) == 8
+    assert len(sample_frame_indices(7, 1.0, fps=1.0, max_frames=64)) == 6  # floored to a multiple of 2
+    assert sample_frame_indices(1, 1.0, fps=2.0, max_frames=8) == [0]
+    with pytest.raises(ValueError):
+        sample_frame_indices(0, 4.0, fps=2.0, max_frames=8)
+
+
+def test_load_image_sources_and_errors(tmp_path: Path):
+    img = _random_image(np.random.default_rng(3), 30, 40, "RGBA")
+    img.save(tmp_path / "a.png")
+    by_rel = load_image("a.png", base_dir=tmp_path)
+    assert by_rel.mode == "RGB" and by_rel.size == (40, 30)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    by_bytes = load_image({"bytes": buf.getvalue(), "path": None})
+    by_dict_path = load_image({"bytes": None, "path": str(tmp_path / "a.png")})
+    assert np.array_equal(np.asarray(by_rel), np.asarray(by_bytes))
+    assert np.array_equal(np.asarray(by_rel), np.asarray(by_dict_path))
+    with pytest.raises(FileNotFoundError, match="nope.png"):
+        load_image("nope.png", base_dir=tmp_path)
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n garbage")
+    with pytest.raises(ValueError, match="broken.png"):
+        load_image(tmp_path / "broken.png")
+    with pytest.raises(ValueError):
+        load_image(42)
