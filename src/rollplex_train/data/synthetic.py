@@ -127,7 +127,8 @@ def _color_image(rng: np.random.Generator, answer_index: int, size: int) -> Imag
     """One shape of colour ``list(COLORS)[answer_index]`` at a random position and size."""
     colour = COLORS[list(COLORS)[answer_index]]
     img = Image.new("RGB", (size, size), _background(rng))
-    side = int(rng.integers(size // 4, size // 2 + 1))
+    # A large shape (half to nearly all of the side): the colour is visible in every vision token.
+    side = int(rng.integers(size // 2, size - 3))
     x0 = int(rng.integers(0, size - side))
     y0 = int(rng.integers(0, size - side))
     _draw_shape(ImageDraw.Draw(img), SHAPES[int(rng.integers(len(SHAPES)))], (x0, y0, x0 + side, y0 + side), colour)

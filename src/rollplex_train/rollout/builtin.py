@@ -76,6 +76,12 @@ class BuiltinRolloutEngine(RolloutEngine):
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id
         self.max_batch_size = max_batch_size
+        cfg = self.model.config
+        # Vision placeholders can never be part of a valid response (they would be taken for image
+        # slots when the response is scored), so they are never sampled.
+        self.suppressed_ids = torch.tensor(sorted({
+            cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id,
+        }), dtype=torch.long)
         self.weights_version = 0
         self._released = False
 
@@ -149,14 +155,15 @@ class BuiltinRolloutEngine(RolloutEngine):
 
         for step in range(params.max_new_tokens):
             logits = model.lm_head(last_hidden).float()
+            allowed = logits.index_fill(-1, self.suppressed_ids, float("-inf"))
             if params.temperature > 0:
                 scaled = logits / params.temperature
                 logp_all = torch.log_softmax(scaled, dim=-1)
-                probs = filter_logits(scaled, params.top_k, params.top_p).softmax(-1)
+                probs = filter_logits(allowed / params.temperature, params.top_k, params.top_p).softmax(-1)
                 next_tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
             else:
                 logp_all = torch.log_softmax(logits, dim=-1)
-                next_tok = logits.argmax(-1)
+                next_tok = allowed.argmax(-1)
             next_logp = logp_all.gather(-1, next_tok.unsqueeze(-1)).squeeze(-1)
             keep = []
             for row, seq in enumerate(alive.tolist()):
