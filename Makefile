@@ -39,7 +39,7 @@ assets: $(TASKS)/train.parquet $(TINY_CKPT)/config.json
 run: install assets
 	$(VENV)/bin/rollplex-train +experiment=$(EXPERIMENT)
 
-test: install
+test: install assets
 	$(VPY) -m pytest -q -x tests
 
 clean:

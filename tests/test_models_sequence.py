@@ -210,12 +210,6 @@ def test_build_full_sequences_layout():
     assert vision.pixel_values_videos is None and vision.video_grid_thw is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG models/sequence.py rope_positions: deltas come from transformers' get_rope_index "
-    "(max position + 1 - length). When a Qwen2.5-VL video's temporal positions run past the text that "
-    "follows it (video near the end of the prompt, >1 s per temporal grid step), the max is a video "
-    "position, so the rollout decodes the response at positions one or more steps beyond where the "
-    "full-sequence forward puts them; rollout and actor log-probs differ (~3e-3 here)."))
 def test_rollout_logprobs_equal_full_forward_video_at_prompt_end(tiny_ckpt_qwen25, make_prompts, tiny_tokenizer):
     engine = BuiltinRolloutEngine(str(tiny_ckpt_qwen25))
     (video,) = make_prompts(("direction",))

@@ -314,10 +314,12 @@ def register_configs() -> None:
 def to_config(cfg: DictConfig) -> Config:
     """Turn a composed Hydra config into validated dataclasses.
 
+    The composed config is merged once more into a fresh structured ``Config``, so a key that the
+    schema lacks is an error even when it was appended with ``+key=value``.
+
     Raises:
+        omegaconf.errors.ConfigKeyError: a key the schema does not have (the message names it).
         ValueError: a value fails a section's check (the message names ``section.key``).
     """
-    obj = OmegaConf.to_object(cfg)
-    if not isinstance(obj, Config):  # composed without the schema (e.g. a bare dict in tests)
-        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), cfg))
-    return obj
+    merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg, resolve=False))
+    return OmegaConf.to_object(merged)

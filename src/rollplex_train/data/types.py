@@ -64,7 +64,7 @@ class PromptSample:
     """One prompt ready for the model: token ids with vision placeholders already expanded.
 
     Attributes:
-        uid: stable id, ``<split>:<row index>`` of the source file.
+        uid: stable id, ``<split>:<row index>`` (row index counted across all the split's files).
         prompt_ids: (L,) int64 token ids of the chat-formatted prompt, ending with the assistant header.
         vision: patchified images/videos referenced by the placeholders in ``prompt_ids``.
         ground_truth: the reference answer (string) for the reward function.

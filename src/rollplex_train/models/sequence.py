@@ -51,7 +51,13 @@ def rope_positions(
     )
     if vision.second_per_grid_ts is not None and "qwen2_5" in model.config.model_type:
         kwargs["second_per_grid_ts"] = vision.second_per_grid_ts
-    position_ids, deltas = model.model.get_rope_index(**kwargs)
+    position_ids, _ = model.model.get_rope_index(**kwargs)
+    # The next text token follows the *last real* token (transformers derives its delta from the
+    # largest position instead, which differs when a Qwen2.5-VL video with > 1 s per grid step ends
+    # the prompt).
+    mask = attention_mask.long()
+    last = (mask * torch.arange(mask.shape[1])).argmax(-1, keepdim=True)
+    deltas = position_ids[0].gather(1, last) + 1 - mask.sum(-1, keepdim=True)
     return position_ids, deltas.long()
 
 

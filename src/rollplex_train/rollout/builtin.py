@@ -113,10 +113,15 @@ class BuiltinRolloutEngine(RolloutEngine):
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         if version <= self.weights_version:
             raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
-        missing, unexpected = self.model.load_state_dict(named_tensors, strict=False)
-        unexpected = [k for k in unexpected]
-        if unexpected or [k for k in missing if not k.endswith("lm_head.weight")]:
-            raise ValueError(f"weight update does not match the model: missing={missing} unexpected={unexpected}")
+        current = self.model.state_dict()
+        tied = {k for k in current if k.endswith("lm_head.weight")} if self.model.config.tie_word_embeddings else set()
+        missing = sorted(set(current) - set(named_tensors) - tied)
+        unexpected = sorted(set(named_tensors) - set(current))
+        wrong_shape = sorted(k for k, v in named_tensors.items() if k in current and v.shape != current[k].shape)
+        if missing or unexpected or wrong_shape:  # checked before anything is copied
+            raise ValueError(f"weight update does not match the model: missing={missing} "
+                             f"unexpected={unexpected} wrong_shape={wrong_shape}")
+        self.model.load_state_dict(named_tensors, strict=False)
         self.weights_version = version
 
     def release_memory(self) -> None:

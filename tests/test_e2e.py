@@ -1,0 +1,143 @@
+"""End to end through the CLI: Hydra -> local Ray cluster -> workers -> metrics/checkpoints/export.
+
+These runs use the embedded assets (`make assets`: the generated tasks and the format-warmed tiny
+checkpoint under artifacts/), built here if missing, exactly as `make run` uses them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rollplex_train.tracking.loggers import read_metrics_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = Path(sys.executable).parent / "rollplex-train"
+TASKS = ROOT / "artifacts" / "data" / "visual_tasks"
+CKPT = ROOT / "artifacts" / "checkpoints" / "tiny-qwen25vl"
+
+pytestmark = pytest.mark.slow
+
+# A user reward that raises or returns NaN on some answers (scored 0 and counted, the run goes on).
+FLAKY_REWARD = '''
+from rollplex_train.algo.rewards import auto_reward
+
+def flaky(response, ground_truth, options=None):
+    if ground_truth in ("red", "green", "left", "right", "1", "2"):
+        raise RuntimeError("boom on " + ground_truth)
+    if ground_truth in ("blue", "up", "3"):
+        return float("nan")
+    return auto_reward(response, ground_truth, options=options)
+'''
+
+
+@pytest.fixture(scope="session")
+def embedded_assets():
+    """The tasks and warmed-up tiny checkpoint of `make assets` (built once if missing)."""
+    from rollplex_train.data.synthetic import generate_visual_tasks
+    from rollplex_train.models.tiny import make_tiny_checkpoint
+
+    if not (TASKS / "train.parquet").is_file():
+        generate_visual_tasks(TASKS)
+    if not (CKPT / "config.json").is_file():
+        make_tiny_checkpoint(CKPT, tasks_dir=TASKS)
+    return TASKS, CKPT
+
+
+def run_cli(out_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 600):
+    cmd = [str(CLI), "+experiment=tiny_cpu", f"hydra.run.dir={out_dir}", f"trainer.output_dir={out_dir}",
+           "trainer.progress_bar=false", *overrides]
+    full_env = dict(os.environ, WANDB_MODE="offline", **(env or {}))
+    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _short_run_overrides(reward_file: Path) -> list[str]:
+    return [
+        "trainer.total_steps=3", "trainer.save_freq=1", "trainer.val_freq=3", "trainer.val_before_train=false",
+        "data.rollout_batch_size=4", "rollout.n=4", "data.max_val_samples=8",
+        f"reward.function={reward_file}:flaky",
+    ]
+
+
+@pytest.fixture(scope="module")
+def reward_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("reward") / "flaky_reward.py"
+    path.write_text(FLAKY_REWARD)
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(embedded_assets, reward_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "uninterrupted"
+    proc = run_cli(out, *_short_run_overrides(reward_file))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out, proc
+
+
+def test_run_writes_metrics_checkpoint_events_and_export(uninterrupted):
+    out, proc = uninterrupted
+    records = read_metrics_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for key in ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor",
+                "timing_s/update_weights", "timing_s/step", "perf/throughput", "critic/score/mean",
+                "actor/kl_loss", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm",
+                "response_length/mean", "data/skipped"):
+        assert all(math.isfinite(r[key]) for r in records), key
+    assert records[-1]["actor/weights_version"] == 3
+    assert records[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)  # actor == reference at step 1
+    assert records[-1]["actor/kl_loss"] > 0  # after two updates the actor has moved
+    assert "val/score/mean" in records[-1]
+    # the flaky reward: failures are scored 0, counted, and named in a warning with the sample id
+    assert sum(r["reward/failed"] for r in records) > 0
+    logs = proc.stdout + proc.stderr
+    assert "boom on" in logs and "returned nan" in logs and "uid=train:" in logs
+    # checkpoints (atomic dirs + pointer), tensorboard events, HF export
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert (out / "checkpoints" / "global_step_3" / "actor.pt").is_file()
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    from transformers import AutoModelForImageTextToText
+
+    exported = AutoModelForImageTextToText.from_pretrained(out / "hf_actor")
+    initial = AutoModelForImageTextToText.from_pretrained(CKPT)
+    saved = torch.load(out / "checkpoints" / "global_step_3" / "actor.pt", weights_only=True)
+    name = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(exported.state_dict()[name], saved[name])
+    assert not torch.equal(exported.state_dict()[name], initial.state_dict()[name])
+
+
+def test_resume_after_kill_matches_uninterrupted(uninterrupted, reward_file, tmp_path):
+    ref_out, _ = uninterrupted
+    out = tmp_path / "killed"
+    killed = run_cli(out, *_short_run_overrides(reward_file), env={"ROLLPLEX_KILL_AT_STEP": "3"})
+    assert killed.returncode == -9, killed.stderr[-2000:]  # SIGKILL at the start of step 3
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    resumed = run_cli(out, *_short_run_overrides(reward_file))
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    expected = read_metrics_jsonl(ref_out / "metrics.jsonl")[-1]
+    got = read_metrics_jsonl(out / "metrics.jsonl")[-1]
+    assert got["step"] == expected["step"] == 3
+    compared = [k for k in expected if not k.startswith(("timing_s/", "perf/throughput"))]
+    assert len(compared) > 20
+    for key in compared:
+        assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+
+
+def test_missing_column_fails_before_any_worker_starts(embedded_assets, tmp_path):
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(TASKS / "color_val.parquet").drop(["answer"])
+    bad = tmp_path / "no_answer.parquet"
+    pq.write_table(table, bad)
+    out = tmp_path / "run"
+    proc = run_cli(out, f"data.train_files={bad}")
+    assert proc.returncode != 0
+    assert "no_answer.parquet" in proc.stderr and "'answer'" in proc.stderr
+    assert not (out / "ray").exists()  # failed before Ray (and any worker) started
