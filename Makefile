@@ -12,10 +12,11 @@ else
 endif
 ARTIFACTS := artifacts
 TINY_CKPT := $(ARTIFACTS)/checkpoints/tiny-qwen25vl
+SMALL_CKPT := $(ARTIFACTS)/checkpoints/small-qwen25vl
 TASKS := $(ARTIFACTS)/data/visual_tasks
 EXPERIMENT ?= tiny_cpu
 
-.PHONY: install run test assets clean
+.PHONY: install run test assets assets-small clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -34,7 +35,12 @@ $(TASKS)/train.parquet: | install
 $(TINY_CKPT)/config.json: $(TASKS)/train.parquet | install
 	$(VPY) scripts/make_tiny_checkpoint.py --size tiny --out $(TINY_CKPT) --tasks $(TASKS)
 
+$(SMALL_CKPT)/config.json: $(TASKS)/train.parquet | install
+	$(VPY) scripts/make_tiny_checkpoint.py --size small --out $(SMALL_CKPT) --tasks $(TASKS)
+
 assets: $(TASKS)/train.parquet $(TINY_CKPT)/config.json
+
+assets-small: $(SMALL_CKPT)/config.json
 
 run: install assets
 	$(VENV)/bin/rollplex-train +experiment=$(EXPERIMENT)

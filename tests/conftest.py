@@ -8,6 +8,9 @@ which answers in the ``\\boxed{...}`` format.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -20,6 +23,12 @@ from rollplex_train.data.prompts import build_messages, render_prompt_ids
 from rollplex_train.data.synthetic import VisualTaskSpec, generate_visual_tasks
 from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.models.tiny import make_tiny_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = Path(sys.executable).parent / "rollplex-train"
+# The assets of `make assets`, shared with `make run` (built by the fixture below if missing).
+EMBEDDED_TASKS = ROOT / "artifacts" / "data" / "visual_tasks"
+EMBEDDED_CKPT = ROOT / "artifacts" / "checkpoints" / "tiny-qwen25vl"
 
 # Tasks of the synthetic set and what their media look like (VisualTaskSpec defaults):
 #   color: 56x56 image -> image grid (1, 4, 4) -> 4 placeholder tokens
@@ -149,3 +158,31 @@ def biased_head() -> Callable[..., None]:
         model.lm_head = BiasedHead(model.lm_head, bias)
 
     return install
+
+
+@pytest.fixture(scope="session")
+def embedded_assets():
+    """The tasks and warmed-up tiny checkpoint of `make assets` (built once if missing)."""
+    from rollplex_train.data.synthetic import generate_visual_tasks
+    from rollplex_train.models.tiny import make_tiny_checkpoint
+
+    if not (EMBEDDED_TASKS / "train.parquet").is_file():
+        generate_visual_tasks(EMBEDDED_TASKS)
+    if not (EMBEDDED_CKPT / "config.json").is_file():
+        make_tiny_checkpoint(EMBEDDED_CKPT, tasks_dir=EMBEDDED_TASKS)
+    return EMBEDDED_TASKS, EMBEDDED_CKPT
+
+
+@pytest.fixture(scope="session")
+def run_cli():
+    """``run_cli(out_dir, *overrides, experiment="tiny_cpu", env=None, timeout=600)``: the
+    ``rollplex-train`` console script in a subprocess, writing into ``out_dir``."""
+
+    def run(out_dir: Path, *overrides: str, experiment: str = "tiny_cpu", env: dict | None = None,
+            timeout: int = 600) -> subprocess.CompletedProcess:
+        cmd = [str(CLI), f"+experiment={experiment}", f"hydra.run.dir={out_dir}", f"trainer.output_dir={out_dir}",
+               "trainer.progress_bar=false", *overrides]
+        full_env = dict(os.environ, WANDB_MODE="offline", **(env or {}))
+        return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+    return run

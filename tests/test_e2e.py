@@ -6,22 +6,13 @@ checkpoint under artifacts/), built here if missing, exactly as `make run` uses 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from rollplex_train.tracking.loggers import read_metrics_jsonl
-
-ROOT = Path(__file__).resolve().parents[1]
-CLI = Path(sys.executable).parent / "rollplex-train"
-TASKS = ROOT / "artifacts" / "data" / "visual_tasks"
-CKPT = ROOT / "artifacts" / "checkpoints" / "tiny-qwen25vl"
 
 pytestmark = pytest.mark.slow
 
@@ -36,26 +27,6 @@ def flaky(response, ground_truth, options=None):
         return float("nan")
     return auto_reward(response, ground_truth, options=options)
 '''
-
-
-@pytest.fixture(scope="session")
-def embedded_assets():
-    """The tasks and warmed-up tiny checkpoint of `make assets` (built once if missing)."""
-    from rollplex_train.data.synthetic import generate_visual_tasks
-    from rollplex_train.models.tiny import make_tiny_checkpoint
-
-    if not (TASKS / "train.parquet").is_file():
-        generate_visual_tasks(TASKS)
-    if not (CKPT / "config.json").is_file():
-        make_tiny_checkpoint(CKPT, tasks_dir=TASKS)
-    return TASKS, CKPT
-
-
-def run_cli(out_dir: Path, *overrides: str, env: dict | None = None, timeout: int = 600):
-    cmd = [str(CLI), "+experiment=tiny_cpu", f"hydra.run.dir={out_dir}", f"trainer.output_dir={out_dir}",
-           "trainer.progress_bar=false", *overrides]
-    full_env = dict(os.environ, WANDB_MODE="offline", **(env or {}))
-    return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def _short_run_overrides(reward_file: Path) -> list[str]:
@@ -74,15 +45,16 @@ def reward_file(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(embedded_assets, reward_file, tmp_path_factory):
+def uninterrupted(embedded_assets, run_cli, reward_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "uninterrupted"
     proc = run_cli(out, *_short_run_overrides(reward_file))
     assert proc.returncode == 0, proc.stderr[-4000:]
     return out, proc
 
 
-def test_run_writes_metrics_checkpoint_events_and_export(uninterrupted):
+def test_run_writes_metrics_checkpoint_events_and_export(uninterrupted, embedded_assets):
     out, proc = uninterrupted
+    _, ckpt = embedded_assets
     records = read_metrics_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     for key in ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor",
@@ -105,14 +77,14 @@ def test_run_writes_metrics_checkpoint_events_and_export(uninterrupted):
     from transformers import AutoModelForImageTextToText
 
     exported = AutoModelForImageTextToText.from_pretrained(out / "hf_actor")
-    initial = AutoModelForImageTextToText.from_pretrained(CKPT)
+    initial = AutoModelForImageTextToText.from_pretrained(ckpt)
     saved = torch.load(out / "checkpoints" / "global_step_3" / "actor.pt", weights_only=True)
     name = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(exported.state_dict()[name], saved[name])
     assert not torch.equal(exported.state_dict()[name], initial.state_dict()[name])
 
 
-def test_resume_after_kill_matches_uninterrupted(uninterrupted, reward_file, tmp_path):
+def test_resume_after_kill_matches_uninterrupted(uninterrupted, run_cli, reward_file, tmp_path):
     ref_out, _ = uninterrupted
     out = tmp_path / "killed"
     killed = run_cli(out, *_short_run_overrides(reward_file), env={"ROLLPLEX_KILL_AT_STEP": "3"})
@@ -130,10 +102,11 @@ def test_resume_after_kill_matches_uninterrupted(uninterrupted, reward_file, tmp
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
 
 
-def test_missing_column_fails_before_any_worker_starts(embedded_assets, tmp_path):
+def test_missing_column_fails_before_any_worker_starts(embedded_assets, run_cli, tmp_path):
     import pyarrow.parquet as pq
 
-    table = pq.read_table(TASKS / "color_val.parquet").drop(["answer"])
+    tasks, _ = embedded_assets
+    table = pq.read_table(tasks / "color_val.parquet").drop(["answer"])
     bad = tmp_path / "no_answer.parquet"
     pq.write_table(table, bad)
     out = tmp_path / "run"
