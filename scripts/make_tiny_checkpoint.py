@@ -17,7 +17,7 @@ def main() -> None:
     parser.add_argument("--arch", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen2_vl"])
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
     parser.add_argument("--tasks", default=None, help="visual tasks dir for the format warm-up (omit: none)")
-    parser.add_argument("--warmup-steps", type=int, default=120)
+    parser.add_argument("--warmup-steps", type=int, default=50)
     parser.add_argument("--warmup-batch-size", type=int, default=32)
     parser.add_argument("--warmup-lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)

@@ -49,7 +49,7 @@ def test_layout_and_schema(tasks_dir: Path):
         elif r["task"] == "direction":
             assert r["options"] == list(DIRECTIONS) and r["answer"] in DIRECTIONS
         else:
-            assert r["options"] == [] and r["answer"] in {"1", "2", "3", "4", "5"}
+            assert r["options"] == ["1", "2", "3", "4", "5"] and r["answer"] in {"1", "2", "3", "4", "5"}
 
 
 def test_answers_balanced(tasks_dir: Path):

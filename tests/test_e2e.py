@@ -65,7 +65,7 @@ def test_run_writes_metrics_checkpoint_events_and_export(uninterrupted, embedded
     assert records[-1]["actor/weights_version"] == 3
     assert records[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-7)  # actor == reference at step 1
     assert records[-1]["actor/kl_loss"] > 0  # after two updates the actor has moved
-    assert "val/score/mean" in records[-1]
+    assert 0.0 <= records[-1]["val/accuracy"] <= 1.0
     # the flaky reward: failures are scored 0, counted, and named in a warning with the sample id
     assert sum(r["reward/failed"] for r in records) > 0
     logs = proc.stdout + proc.stderr

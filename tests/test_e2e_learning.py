@@ -22,7 +22,7 @@ def test_grpo_raises_colour_accuracy_from_chance(embedded_assets, run_cli, tmp_p
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-4000:]
     records = read_metrics_jsonl(out / "metrics.jsonl")
-    val = {r["step"]: r["val/color/score"] for r in records if "val/color/score" in r}
+    val = {r["step"]: r["val/color/accuracy"] for r in records if "val/color/accuracy" in r}
     print(f"colour val accuracy by step: {val} ({elapsed:.0f} s wall-clock)")
     assert 0.15 <= val[0] <= 0.35, val  # chance before RL
     assert val[max(val)] >= 0.8, val

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
+from rollplex_train.algo.advantages import get_adv_estimator
 from rollplex_train.algo.rewards import RewardManager
 from rollplex_train.config import Config
 from rollplex_train.data.dataset import PromptDataset, PromptLoader
@@ -47,7 +48,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, output_dir: Path):
         self.cfg, self.output_dir = cfg, Path(output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        get_adv_estimator(cfg.algorithm.adv_estimator)  # an unknown name fails here, not after rollout
         check_checkpoint_dir(cfg.model.path)
         self.tokenizer = load_tokenizer(cfg.model.path)
         merge = load_vision_spec(cfg.model.path).merge_size
@@ -58,9 +59,12 @@ class Trainer:
         )
         self.loader = PromptLoader(self.train_set, cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.reward = RewardManager(cfg.reward.function, cfg.reward.format_weight)
+        # Validation reports accuracy alone (format_weight 0), the number users compare across runs.
+        self.val_reward = RewardManager(cfg.reward.function, 0.0)
         self.ckpt = CheckpointManager(self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
         self.step = 0
         self.schedule = None
+        self.output_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -109,31 +113,22 @@ class Trainer:
         return last
 
     def validate(self) -> dict[str, float]:
-        """Greedy accuracy on the validation split, overall and per task (``val/*``)."""
-        scores_by_task: dict[str, list[float]] = defaultdict(list)
-        max_samples = self.cfg.data.max_val_samples
-        seen = 0
-        for prompts in self.val_set.iter_all(self.cfg.data.val_batch_size):
-            if max_samples > 0:
-                prompts = prompts[: max_samples - seen]
-            if not prompts:
-                break
+        """Greedy accuracy on the validation split, overall and per task (``val/accuracy``,
+        ``val/<task>/accuracy``; at most ``data.max_val_samples`` prompts)."""
+        accuracy_by_task: dict[str, list[float]] = defaultdict(list)
+        for prompts in self.val_set.iter_all(self.cfg.data.val_batch_size, self.cfg.data.max_val_samples):
             responses = self.schedule.generate_val(prompts, self.step)
-            scores, _ = self.reward.score(
-                [r.text for r in responses],
-                [prompts[r.prompt_index].ground_truth for r in responses],
-                [prompts[r.prompt_index].uid for r in responses],
-                [list(prompts[r.prompt_index].options) for r in responses],
+            owners = [prompts[r.prompt_index] for r in responses]
+            scores, _ = self.val_reward.score(
+                [r.text for r in responses], [p.ground_truth for p in owners], [p.uid for p in owners],
+                [list(p.options) for p in owners],
             )
-            for r, s in zip(responses, scores.tolist()):
-                scores_by_task[prompts[r.prompt_index].task].append(s)
-            seen += len(prompts)
-            if 0 < max_samples <= seen:
-                break
-        all_scores = [s for v in scores_by_task.values() for s in v]
-        out = {"val/score/mean": float(np.mean(all_scores)) if all_scores else float("nan")}
-        for task, vals in sorted(scores_by_task.items()):
-            out[f"val/{task}/score"] = float(np.mean(vals))
+            for p, s in zip(owners, scores.tolist()):
+                accuracy_by_task[p.task].append(s)
+        everything = [s for v in accuracy_by_task.values() for s in v]
+        out = {"val/accuracy": float(np.mean(everything)) if everything else float("nan")}
+        for task, vals in sorted(accuracy_by_task.items()):
+            out[f"val/{task}/accuracy"] = float(np.mean(vals))
         log.info("validation at step %d: %s", self.step, {k: round(v, 4) for k, v in out.items()})
         return out
 

@@ -219,7 +219,7 @@ def _make_row(task: str, answer_index: int, rng: np.random.Generator, rel: str, 
         rel += ".png"
         _count_image(rng, answer_index + 1, spec.count_size).save(out / rel, format="PNG")
         return dict(problem=COUNT_PROBLEM, answer=str(answer_index + 1), images=[rel], videos=[],
-                    task=task, options=[])
+                    task=task, options=[str(k) for k in range(1, MAX_COUNT + 1)])
     rel += ".mp4"
     write_mp4(out / rel, _direction_frames(rng, answer_index, spec.direction_size, spec.num_frames), spec.video_fps)
     return dict(problem=DIRECTION_PROBLEM, answer=DIRECTIONS[answer_index], images=[], videos=[rel],

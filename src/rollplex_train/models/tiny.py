@@ -216,7 +216,7 @@ def build_image_processor(min_pixels: int, max_pixels: int):
 
 
 def make_tiny_checkpoint(out_dir, *, arch: str = "qwen2_5_vl", size: str = "tiny", tasks_dir=None,
-                         warmup_steps: int = 120, warmup_batch_size: int = 32, warmup_lr: float = 2e-3,
+                         warmup_steps: int = 50, warmup_batch_size: int = 32, warmup_lr: float = 2e-3,
                          min_pixels: int = 56 * 56, max_pixels: int = 112 * 112, seed: int = 0):
     """Build, format-warm-up and save a tiny checkpoint directory (written atomically).
 
