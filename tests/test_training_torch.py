@@ -262,3 +262,32 @@ def test_no_reference_without_kl(tiny_ckpt_qwen25, rollout_batch):
         engine.compute_log_probs(rollout_batch, "ref")
     metrics = engine.update_actor(_with_old(engine, rollout_batch))  # no ref_logprobs needed
     assert metrics["actor/kl_loss"] == 0.0 and engine.weights_version == 1
+
+
+@pytest.mark.parametrize("freeze_vision", [False, True])
+def test_shared_prefix_engine_matches_full_sequence(tiny_ckpt_qwen25, rollout_batch, freeze_vision):
+    """model.shared_prefix=true: same log-probs, same gradients, prefix states freed after use."""
+    algo = AlgorithmConfig(use_kl_loss=True, kl_coef=0.1)
+    engines = {}
+    for shared in (False, True):
+        engine = TorchTrainEngine(
+            ModelConfig(path=str(tiny_ckpt_qwen25), freeze_vision_tower=freeze_vision, shared_prefix=shared),
+            ActorConfig(lr=LR, micro_batch_size=3), algo, seed=1)
+        engines[shared] = engine
+    full, split = engines[False], engines[True]
+    for role in ("actor", "ref"):
+        assert_close(split.compute_log_probs(rollout_batch, role)[0], full.compute_log_probs(rollout_batch, role)[0],
+                     atol=1e-5, rtol=0)
+    batch = _with_old(full, rollout_batch)
+    grads = {}
+    for shared, engine in engines.items():
+        captured = _capture_grads(engine)
+        metrics = engine.update_actor(batch)
+        grads[shared] = (captured[0], metrics)
+        assert len(engine.prefixes) == 0 and engine.prefixes.bytes_held == 0  # freed after the last consumer
+    (g_full, m_full), (g_split, m_split) = grads[False], grads[True]
+    assert g_full.keys() == g_split.keys()
+    for name, g in g_full.items():
+        assert float((g - g_split[name]).norm() / g.norm().clamp(min=1e-12)) <= 1e-4, name
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
+        assert m_split[key] == pytest.approx(m_full[key], rel=1e-5, abs=1e-7), key

@@ -21,8 +21,10 @@ from rollplex_train.algo.losses import agg_loss, batch_counts, kl_loss, policy_l
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.models.loading import load_model, load_tokenizer
+from rollplex_train.models.prefix import encode_prefix, score_suffix
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
 from rollplex_train.training.base import TrainEngine, register_train_engine
+from rollplex_train.training.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
 
@@ -70,20 +72,53 @@ class TorchTrainEngine(TrainEngine):
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
         self.weights_version = 0
+        self.prefixes = PrefixStore(owner="train-worker")
 
     # ---- scoring ----------------------------------------------------------------------------------
-    def _forward(self, model, batch: TrainBatch, rows: torch.Tensor, temperature: float, with_entropy: bool):
+    def _forward(self, model, role: str, batch: TrainBatch, rows: torch.Tensor, temperature: float,
+                 with_entropy: bool):
+        """Log-probs of the responses at ``rows``: full sequences, or shared prefix + suffixes."""
         part = _rows(batch, rows)
-        ids, mask, plen, vision = build_full_sequences(
-            batch.prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
-        )
-        return part, response_logprobs(
-            model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
-            temperature=temperature, with_entropy=with_entropy,
-        )
+        if not self.model_cfg.shared_prefix:
+            ids, mask, plen, vision = build_full_sequences(
+                batch.prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
+            )
+            return part, response_logprobs(
+                model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
+                temperature=temperature, with_entropy=with_entropy,
+            )
+        groups = sorted(set(part["group_index"].tolist()))
+        version = "ref" if role == "ref" else self.weights_version
+        prompts = [batch.prompts[g] for g in groups]
+        for state in encode_prefix(model, prompts, version=version, with_grad=torch.is_grad_enabled(),
+                                   freeze_vision=self.model_cfg.freeze_vision_tower):
+            self.prefixes.put(role, state)
+        states = [self.prefixes.take(p.uid, role, version) for p in prompts]
+        local = torch.tensor([groups.index(g) for g in part["group_index"].tolist()], dtype=torch.long)
+        out = score_suffix(model, states, local, part["response_ids"], part["response_mask"],
+                           temperature=temperature, with_entropy=with_entropy)
+        for p in prompts:  # the suffix pass was the last consumer (backward holds its own references)
+            self.prefixes.release(p.uid, role, version)
+        return part, out
 
-    def _micro_batches(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        return list(rows.split(self.cfg.micro_batch_size))
+    def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Split ``rows`` into micro-batches of at most ``micro_batch_size`` responses; with a shared
+        prefix, whole groups only (at least one group per micro-batch), so each prefix gets one
+        backward."""
+        if not self.model_cfg.shared_prefix:
+            return list(rows.split(self.cfg.micro_batch_size))
+        by_group: dict[int, list[int]] = {}
+        for row in rows.tolist():
+            by_group.setdefault(int(batch.group_index[row]), []).append(row)
+        chunks, current = [], []
+        for group_rows in by_group.values():
+            if current and len(current) + len(group_rows) > self.cfg.micro_batch_size:
+                chunks.append(torch.tensor(current))
+                current = []
+            current += group_rows
+        if current:
+            chunks.append(torch.tensor(current))
+        return chunks
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
@@ -95,8 +130,8 @@ class TorchTrainEngine(TrainEngine):
             raise ValueError("reference log-probs requested but no KL is configured (algorithm.kl_coef/use_kl_*)")
         model.eval()
         logps, ents = [], []
-        for rows in self._micro_batches(torch.arange(batch.num_responses)):
-            _, (lp, ent) = self._forward(model, batch, rows, temperature, with_entropy)
+        for rows in self._micro_batches(batch, torch.arange(batch.num_responses)):
+            _, (lp, ent) = self._forward(model, role, batch, rows, temperature, with_entropy)
             logps.append(lp)
             ents.append(ent)
         return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
@@ -134,8 +169,8 @@ class TorchTrainEngine(TrainEngine):
         metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0,
                    "actor/kl_loss": 0.0, "actor/entropy": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in self._micro_batches(rows):
-            part, (logp, ent) = self._forward(self.actor, batch, micro, temperature, with_entropy=True)
+        for micro in self._micro_batches(batch, rows):
+            part, (logp, ent) = self._forward(self.actor, "actor", batch, micro, temperature, with_entropy=True)
             mask = part["response_mask"]
             weight = float(mask.sum()) / max(num_tokens, 1)  # token share of this micro-batch
             loss, pg = policy_loss(

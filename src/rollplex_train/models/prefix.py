@@ -1,0 +1,226 @@
+"""Prefix/suffix decomposition of a Qwen2-VL / Qwen2.5-VL forward pass.
+
+The prefix of a GRPO group (its images/video and prompt tokens) is the same for the G responses.
+``encode_prefix`` runs it once per prompt and keeps what the responses need: the per-layer KV cache
+of the prompt, the hidden state of its last real token (which scores response token 0) and the
+M-RoPE position where the response starts. ``score_suffix`` then runs only the response tokens of
+all G responses against that one cache. With ``with_grad=True`` the prefix keeps its autograd
+graph (vision tower included unless frozen), so one backward of a loss over the suffixes gives the
+same gradients as the full-sequence loss.
+
+The prefix tensors are never modified: every suffix call wraps them in a fresh ``DynamicCache``
+(which concatenates into new tensors), so one prefix serves any number of suffix calls.
+
+Legend: P prompts, Lp prompt tokens, N responses, R response tokens, H hidden size,
+K kv heads, D head dim, NL decoder layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from rollplex_train.data.types import PromptSample, VisionInputs
+from rollplex_train.models.sequence import logprobs_from_hidden, rope_positions
+
+
+@dataclass
+class PrefixState:
+    """Response-independent state of one prompt under one set of weights.
+
+    Attributes:
+        uid: the prompt's id.
+        version: weights version that produced it (``"ref"`` for the frozen reference).
+        keys, values: NL tensors (1, K, Lp, D): the prompt's KV cache, real tokens only.
+        last_hidden: (H,) final-layer hidden state of the last real prompt token.
+        next_position: M-RoPE position id of response token 0 (same on the t/h/w axes).
+        requires_grad: the tensors carry the prefix's autograd graph (actor training).
+        saved_bytes: bytes of activations the autograd graph keeps alive (0 without grad).
+    """
+
+    uid: str
+    version: Union[int, str]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    last_hidden: torch.Tensor
+    next_position: int
+    requires_grad: bool = False
+    saved_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.keys[0].shape[-2])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: KV cache + last hidden state + activations kept for backward."""
+        kv = sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return kv + self.last_hidden.numel() * self.last_hidden.element_size() + self.saved_bytes
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward (distinct storages, parameters excluded)."""
+
+    def __init__(self, model):
+        self.bytes = 0
+        self._seen: set[int] = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._seen:
+            self._seen.add(key)
+            self.bytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def _embed_with_vision(model, input_ids: torch.Tensor, vision: VisionInputs, vision_grad: bool) -> torch.Tensor:
+    """Token embeddings with the vision features scattered into the placeholder slots.
+
+    Args:
+        input_ids: (P, Lp) int64 padded prompts. vision: their vision inputs, concatenated.
+        vision_grad: build the vision tower's graph (False: frozen tower, features without grad).
+
+    Returns:
+        (P, Lp, H) input embeddings.
+    """
+    inner = model.model
+    embeds = inner.get_input_embeddings()(input_ids)
+    cfg = model.config
+    for pixels, grid, token_id, encode in (
+        (vision.pixel_values, vision.image_grid_thw, cfg.image_token_id, inner.get_image_features),
+        (vision.pixel_values_videos, vision.video_grid_thw, cfg.video_token_id, inner.get_video_features),
+    ):
+        if pixels is None:
+            continue
+        with torch.set_grad_enabled(vision_grad and torch.is_grad_enabled()):
+            feats = torch.cat(encode(pixels, grid, return_dict=True).pooler_output, dim=0)
+        slots = (input_ids == token_id).unsqueeze(-1)
+        if int(slots.sum()) != feats.shape[0]:
+            raise ValueError(f"{int(slots.sum())} placeholder tokens but {feats.shape[0]} vision features")
+        embeds = embeds.masked_scatter(slots, feats.to(embeds.dtype))
+    return embeds
+
+
+def encode_prefix(
+    model,
+    prompts: list[PromptSample],
+    *,
+    version: Union[int, str],
+    with_grad: bool = False,
+    freeze_vision: bool = False,
+    padding: str = "left",
+) -> list[PrefixState]:
+    """Run the prompts (and their images/videos) once; return one PrefixState per prompt.
+
+    Args:
+        model: a Qwen2-VL / Qwen2.5-VL ``*ForConditionalGeneration``.
+        prompts: P prompts, batched in one forward (padded on ``padding``: ``left`` or ``right``).
+        version: the weights version recorded in the states.
+        with_grad: keep the autograd graph for a later backward through the suffixes.
+        freeze_vision: compute vision features without a graph even when ``with_grad``.
+
+    Raises:
+        ValueError: unknown padding, or placeholders that do not match the vision inputs.
+    """
+    from transformers import DynamicCache
+
+    if padding not in ("left", "right"):
+        raise ValueError(f"padding={padding!r}: expected 'left' or 'right'")
+    pad_id = model.config.get_text_config().pad_token_id or 0
+    lengths = [p.prompt_length for p in prompts]
+    width = max(lengths)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        cols = slice(width - lengths[i], width) if padding == "left" else slice(0, lengths[i])
+        ids[i, cols] = p.prompt_ids
+        mask[i, cols] = 1
+    vision = VisionInputs.concat([p.vision for p in prompts])
+    counter = _SavedBytes(model)
+    with torch.set_grad_enabled(with_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        position_ids, deltas = rope_positions(model, ids, mask, vision)
+        embeds = _embed_with_vision(model, ids, vision, vision_grad=with_grad and not freeze_vision)
+        cache = DynamicCache(config=model.config)
+        out = model.model.language_model(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
+        )
+    states = []
+    per_prompt_bytes = counter.bytes // max(len(prompts), 1)
+    for i, p in enumerate(prompts):
+        cols = slice(width - lengths[i], width) if padding == "left" else slice(0, lengths[i])
+        last = width - 1 if padding == "left" else lengths[i] - 1
+        states.append(PrefixState(
+            uid=p.uid,
+            version=version,
+            keys=[layer.keys[i : i + 1, :, cols] for layer in cache.layers],
+            values=[layer.values[i : i + 1, :, cols] for layer in cache.layers],
+            last_hidden=out.last_hidden_state[i, last],
+            next_position=int(lengths[i] + deltas[i, 0]),
+            requires_grad=with_grad,
+            saved_bytes=per_prompt_bytes if with_grad else 0,
+        ))
+    return states
+
+
+def score_suffix(
+    model,
+    states: list[PrefixState],
+    group_index: torch.Tensor,
+    response_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Per-token log-probs of N responses, each attending to its prompt's shared prefix cache.
+
+    Token 0 of a response is scored by its prefix's ``last_hidden``; tokens 1..R-1 by the suffix
+    forward over tokens 0..R-2 with explicit M-RoPE positions ``next_position + t`` and an attention
+    mask covering the (left-padded) prefix and the response.
+
+    Args:
+        states: P prefix states; group_index (N,) int64 picks each response's state.
+        response_ids: (N, R) int64 right-padded; response_mask: (N, R) float32.
+
+    Returns:
+        logprobs (N, R) float32 and optional entropy (N, R) float32, zero outside the mask.
+    """
+    from transformers import DynamicCache
+
+    n, r = response_ids.shape
+    rows = [states[g] for g in group_index.tolist()]
+    h0 = torch.stack([s.last_hidden for s in rows]).unsqueeze(1)  # (N, 1, H)
+    if r == 1:
+        return logprobs_from_hidden(model, h0, response_ids, response_mask, temperature, with_entropy)
+    width = max(s.prompt_length for s in states)
+    pad_len = torch.tensor([width - s.prompt_length for s in states])
+
+    def stacked(per_state: list[torch.Tensor]) -> torch.Tensor:
+        padded = [torch.nn.functional.pad(t, (0, 0, int(p), 0)) for t, p in zip(per_state, pad_len)]
+        return torch.cat(padded, dim=0).index_select(0, group_index)  # (N, K, width, D)
+
+    num_layers = len(states[0].keys)
+    layers = [(stacked([s.keys[l] for s in states]), stacked([s.values[l] for s in states]))
+              for l in range(num_layers)]
+    prefix_mask = (torch.arange(width).view(1, -1) >= pad_len.index_select(0, group_index).view(-1, 1)).long()
+    suffix_mask = response_mask[:, : r - 1].long()
+    attention_mask = torch.cat([prefix_mask, suffix_mask], dim=1)
+    start = torch.tensor([s.next_position for s in rows]).view(-1, 1)
+    position_ids = (start + torch.arange(r - 1).view(1, -1)).unsqueeze(0).expand(3, -1, -1)
+    out = model.model.language_model(
+        input_ids=response_ids[:, : r - 1],
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=DynamicCache(ddp_cache_data=layers, config=model.config),
+        use_cache=True,
+    )
+    hidden = torch.cat([h0, out.last_hidden_state], dim=1)  # (N, R, H)
+    return logprobs_from_hidden(model, hidden, response_ids, response_mask, temperature, with_entropy)
