@@ -134,7 +134,7 @@ def test_register_custom_estimator_and_duplicate():
         with pytest.raises(ValueError, match="already registered"):
             register_adv_estimator("test_const")(lambda *a, **k: None)
     finally:
-        adv_mod._ADV_ESTIMATORS.pop("test_const")
+        adv_mod.ADV_ESTIMATORS.unregister("test_const")
 
 
 def test_shape_errors():

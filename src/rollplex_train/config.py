@@ -138,7 +138,7 @@ class RolloutConfig:
     """Response sampling by the rollout engine."""
 
     name: str = "builtin"
-    """Registered engine: ``builtin`` (transformers, CPU/GPU) or ``sglang`` (GPU)."""
+    """Registered engine: ``builtin`` (transformers, CPU/GPU); an SGLang adapter is planned."""
     n: int = 8
     """Responses per prompt (the GRPO group size G)."""
     temperature: float = 1.0
@@ -172,7 +172,7 @@ class ActorConfig:
     """Actor update (and the frozen reference held by the same training worker)."""
 
     backend: str = "torch"
-    """Registered training engine: ``torch`` (CPU/GPU) or ``megatron`` (GPU)."""
+    """Registered training engine: ``torch`` (CPU/GPU); a Megatron adapter is planned."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

@@ -21,40 +21,13 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from rollplex_train.registry import Registry
+
 AdvEstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_ADV_ESTIMATORS: dict[str, AdvEstimatorFn] = {}
-
-
-def register_adv_estimator(name: str) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
-    """Register an advantage estimator (signature in the module docstring) under ``name``.
-
-    Raises:
-        ValueError: another function is already registered under ``name``.
-    """
-
-    def decorator(fn: AdvEstimatorFn) -> AdvEstimatorFn:
-        if name in _ADV_ESTIMATORS and _ADV_ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is already registered ({_ADV_ESTIMATORS[name]!r})")
-        _ADV_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_adv_estimator(name: str) -> AdvEstimatorFn:
-    """The estimator registered under ``name``.
-
-    Raises:
-        ValueError: ``name`` is not registered (the message lists the known names).
-    """
-    if name not in _ADV_ESTIMATORS:
-        raise ValueError(f"algorithm.adv_estimator={name!r}: expected one of {sorted(_ADV_ESTIMATORS)}")
-    return _ADV_ESTIMATORS[name]
-
-
-def known_adv_estimators() -> list[str]:
-    """Registered estimator names, sorted."""
-    return sorted(_ADV_ESTIMATORS)
+ADV_ESTIMATORS: Registry[AdvEstimatorFn] = Registry("algorithm.adv_estimator")
+register_adv_estimator = ADV_ESTIMATORS.register
+get_adv_estimator = ADV_ESTIMATORS.get
+known_adv_estimators = ADV_ESTIMATORS.names
 
 
 # ---------------------------------------------------------------------------------------------

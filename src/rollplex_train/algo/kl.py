@@ -21,35 +21,13 @@ from typing import Callable
 
 import torch
 
+from rollplex_train.registry import Registry
+
 KLEstimatorFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-_KL_ESTIMATORS: dict[str, KLEstimatorFn] = {}
-
-
-def register_kl_estimator(name: str) -> Callable[[KLEstimatorFn], KLEstimatorFn]:
-    """Register ``fn(logprob (N,R), ref_logprob (N,R)) -> (N,R)`` under ``name``.
-
-    Raises:
-        ValueError: another function is already registered under ``name``.
-    """
-
-    def decorator(fn: KLEstimatorFn) -> KLEstimatorFn:
-        if name in _KL_ESTIMATORS and _KL_ESTIMATORS[name] is not fn:
-            raise ValueError(f"KL estimator {name!r} is already registered ({_KL_ESTIMATORS[name]!r})")
-        _KL_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_kl_estimator(name: str) -> KLEstimatorFn:
-    """The KL estimator registered under ``name``.
-
-    Raises:
-        ValueError: ``name`` is not registered (the message lists the known names).
-    """
-    if name not in _KL_ESTIMATORS:
-        raise ValueError(f"algorithm.kl_estimator={name!r}: expected one of {sorted(_KL_ESTIMATORS)}")
-    return _KL_ESTIMATORS[name]
+KL_ESTIMATORS: Registry[KLEstimatorFn] = Registry("algorithm.kl_estimator")
+register_kl_estimator = KL_ESTIMATORS.register
+get_kl_estimator = KL_ESTIMATORS.get
+known_kl_estimators = KL_ESTIMATORS.names
 
 
 @register_kl_estimator("k1")
@@ -95,7 +73,3 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, estimator: str)
         raise ValueError(f"logprob {tuple(logprob.shape)} and ref_logprob {tuple(ref_logprob.shape)} differ")
     return fn(logprob, ref_logprob)
 
-
-def known_kl_estimators() -> list[str]:
-    """Registered KL estimator names, sorted."""
-    return sorted(_KL_ESTIMATORS)

@@ -23,31 +23,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from rollplex_train.registry import Registry
+
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[..., float]
-_REWARDS: dict[str, RewardFn] = {}
-
-
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Register ``fn(response, ground_truth, **kwargs) -> float`` under ``name``.
-
-    Raises:
-        ValueError: another function is already registered under ``name``.
-    """
-
-    def decorator(fn: RewardFn) -> RewardFn:
-        if name in _REWARDS and _REWARDS[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered ({_REWARDS[name]!r})")
-        _REWARDS[name] = fn
-        return fn
-
-    return decorator
-
-
-def known_rewards() -> list[str]:
-    """Registered reward names, sorted."""
-    return sorted(_REWARDS)
+REWARDS: Registry[RewardFn] = Registry("reward.function")
+register_reward = REWARDS.register
+known_rewards = REWARDS.names
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,8 +206,8 @@ def load_reward_function(spec: str) -> RewardFn:
         ValueError: an unknown name, a spec without ``:fn``, or a file without a callable ``fn``
             (names the file and the function).
     """
-    if spec in _REWARDS:
-        return _REWARDS[spec]
+    if spec in REWARDS:
+        return REWARDS.get(spec)
     if ":" not in spec:
         raise ValueError(f"reward.function={spec!r}: expected one of {known_rewards()} or 'path/to/file.py:fn'")
     path_str, fn_name = spec.rsplit(":", 1)

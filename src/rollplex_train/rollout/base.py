@@ -8,13 +8,13 @@ A rollout engine turns prompts into sampled responses with per-token log-probs. 
 from __future__ import annotations
 
 import abc
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
 from rollplex_train.data.types import PromptSample, Response
+from rollplex_train.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -78,19 +78,12 @@ class RolloutEngine(abc.ABC):
         """Re-acquire what ``release_memory`` freed; generate works again after this."""
 
 
-_REGISTRY: dict[str, Callable[..., RolloutEngine]] = {}
-# Engines shipped with the package, imported on first use (GPU-only ones pull their library lazily).
-_ENGINE_MODULES = {"builtin": "rollplex_train.rollout.builtin", "sglang": "rollplex_train.rollout.sglang"}
-
-
-def register_rollout_engine(name: str):
-    """Class decorator: make an engine constructible by ``rollout.name``."""
-
-    def deco(cls):
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+ROLLOUT_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry(
+    "rollout.name",
+    # shipped engines, imported on first use (the SGLang adapter is not built yet)
+    modules={"builtin": "rollplex_train.rollout.builtin"},
+)
+register_rollout_engine = ROLLOUT_ENGINES.register
 
 
 def create_rollout_engine(name: str, **kwargs) -> RolloutEngine:
@@ -99,8 +92,4 @@ def create_rollout_engine(name: str, **kwargs) -> RolloutEngine:
     Raises:
         ValueError: unknown name (lists the known ones).
     """
-    if name in _ENGINE_MODULES and name not in _REGISTRY:
-        importlib.import_module(_ENGINE_MODULES[name])  # runs the module's register decorator
-    if name not in _REGISTRY:
-        raise ValueError(f"rollout.name={name!r}: expected one of {sorted(_REGISTRY)}")
-    return _REGISTRY[name](**kwargs)
+    return ROLLOUT_ENGINES.get(name)(**kwargs)

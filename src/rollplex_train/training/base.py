@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import abc
-import importlib
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from rollplex_train.data.types import TrainBatch
+from rollplex_train.registry import Registry
 
 
 class TrainEngine(abc.ABC):
@@ -62,18 +62,11 @@ class TrainEngine(abc.ABC):
         """Write the actor as a Hugging Face checkpoint directory (loadable with from_pretrained)."""
 
 
-_REGISTRY: dict[str, Callable[..., TrainEngine]] = {}
-_ENGINE_MODULES = {"torch": "rollplex_train.training.torch_engine", "megatron": "rollplex_train.training.megatron"}
-
-
-def register_train_engine(name: str):
-    """Class decorator: make a training engine constructible by ``actor.backend``."""
-
-    def deco(cls):
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+TRAIN_ENGINES: Registry[Callable[..., TrainEngine]] = Registry(
+    "actor.backend",
+    modules={"torch": "rollplex_train.training.torch_engine"},  # the Megatron adapter is not built yet
+)
+register_train_engine = TRAIN_ENGINES.register
 
 
 def create_train_engine(name: str, **kwargs) -> TrainEngine:
@@ -82,8 +75,4 @@ def create_train_engine(name: str, **kwargs) -> TrainEngine:
     Raises:
         ValueError: unknown name (lists the known ones).
     """
-    if name in _ENGINE_MODULES and name not in _REGISTRY:
-        importlib.import_module(_ENGINE_MODULES[name])
-    if name not in _REGISTRY:
-        raise ValueError(f"actor.backend={name!r}: expected one of {sorted(_ENGINE_MODULES)}")
-    return _REGISTRY[name](**kwargs)
+    return TRAIN_ENGINES.get(name)(**kwargs)
