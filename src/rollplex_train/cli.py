@@ -25,8 +25,13 @@ def _train(cfg) -> None:
     from rollplex_train.config import to_config
     from rollplex_train.trainer import Trainer
 
+    import datasets
+    import transformers
+
     config = to_config(cfg)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
     Trainer(config, Path(config.trainer.output_dir)).fit()
 
 

@@ -22,6 +22,8 @@ from omegaconf import OmegaConf
 
 from rollplex_train.algo.advantages import get_adv_estimator
 from rollplex_train.algo.rewards import RewardManager
+from rollplex_train.rollout.base import ROLLOUT_ENGINES
+from rollplex_train.training.base import TRAIN_ENGINES
 from rollplex_train.config import Config
 from rollplex_train.data.dataset import PromptDataset, PromptLoader
 from rollplex_train.models.loading import check_checkpoint_dir, load_tokenizer, load_vision_spec
@@ -48,7 +50,10 @@ class Trainer:
 
     def __init__(self, cfg: Config, output_dir: Path):
         self.cfg, self.output_dir = cfg, Path(output_dir)
-        get_adv_estimator(cfg.algorithm.adv_estimator)  # an unknown name fails here, not after rollout
+        # Names chosen by config fail here, before Ray and the workers start.
+        get_adv_estimator(cfg.algorithm.adv_estimator)
+        ROLLOUT_ENGINES.get(cfg.rollout.name)
+        TRAIN_ENGINES.get(cfg.actor.backend)
         check_checkpoint_dir(cfg.model.path)
         self.tokenizer = load_tokenizer(cfg.model.path)
         merge = load_vision_spec(cfg.model.path).merge_size
@@ -57,11 +62,18 @@ class Trainer:
             PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files, "val", merge_size=merge)
             if cfg.data.val_files else None
         )
+        if len(self.train_set) < cfg.data.rollout_batch_size:
+            raise ValueError(f"data.rollout_batch_size={cfg.data.rollout_batch_size} exceeds the "
+                             f"{len(self.train_set)} rows of data.train_files={cfg.data.train_files!r}")
         self.loader = PromptLoader(self.train_set, cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.reward = RewardManager(cfg.reward.function, cfg.reward.format_weight)
         # Validation reports accuracy alone (format_weight 0), the number users compare across runs.
         self.val_reward = RewardManager(cfg.reward.function, 0.0)
         self.ckpt = CheckpointManager(self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
+        self.resume_from = self.ckpt.resolve_resume(cfg.trainer.resume)
+        if self.resume_from is not None and not (Path(self.resume_from) / "trainer_state.json").is_file():
+            raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume!r}: {self.resume_from} is not a "
+                                    "rollplex checkpoint (no trainer_state.json)")
         self.step = 0
         self.schedule = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -158,7 +170,7 @@ class Trainer:
     def _maybe_resume(self) -> Optional[Path]:
         import ray
 
-        path = self.ckpt.resolve_resume(self.cfg.trainer.resume)
+        path = self.resume_from
         if path is None:
             return None
         state = load_json(Path(path) / "trainer_state.json")

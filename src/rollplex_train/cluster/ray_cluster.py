@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,20 +14,22 @@ from rollplex_train.config import Config
 
 log = logging.getLogger(__name__)
 
-# Ray puts Unix sockets under its temp dir; their paths must stay under ~107 bytes.
-_MAX_RAY_TMP_LEN = 48
+# Ray puts Unix sockets at <temp dir>/session_<date>_<pid>/sockets/plasma_store (about 70 bytes
+# below the temp dir); a Unix socket path must stay under 108 bytes.
+_MAX_RAY_TMP_LEN = 32
 
 
 def ray_temp_dir(output_dir: Path) -> str:
-    """The run's Ray temp dir: ``<output_dir>/ray`` when short enough, else a short dir linked there."""
+    """The run's Ray temp dir: ``<output_dir>/ray`` when short enough for Ray's socket paths, else
+    a short ``/tmp/rp-ray-*`` dir linked from ``<output_dir>/ray`` and removed at exit."""
     target = (output_dir / "ray").resolve()
     if len(str(target)) <= _MAX_RAY_TMP_LEN:
         target.mkdir(parents=True, exist_ok=True)
         return str(target)
     short = tempfile.mkdtemp(prefix="rp-ray-")
-    if target.is_symlink() or target.exists():
-        if target.is_symlink():
-            target.unlink()
+    atexit.register(shutil.rmtree, short, True)  # runs after Ray's own exit handler (registered later)
+    if target.is_symlink():
+        target.unlink()
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         target.symlink_to(short)

@@ -21,7 +21,10 @@ from rollplex_train.training.base import create_train_engine
 
 
 def _setup_process(threads: int) -> None:
+    import transformers
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    transformers.utils.logging.disable_progress_bar()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
 
