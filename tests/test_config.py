@@ -30,7 +30,8 @@ def test_every_experiment_composes(experiment):
 def test_every_group_option_composes():
     for group in ("model", "data", "algorithm", "rollout", "actor", "reward", "cluster", "schedule", "trainer"):
         for option in sorted((conf_dir() / group).glob("*.yaml")):
-            cfg = _compose([f"{group}={option.stem}"])
+            extra = ["model.shared_prefix=true"] if (group, option.stem) == ("schedule", "rollplex") else []
+            cfg = _compose([f"{group}={option.stem}", *extra])
             assert isinstance(cfg, Config)
 
 
@@ -56,8 +57,9 @@ def test_misspelt_key_is_an_error(override):
         ("rollout.top_p=1.5", "rollout.top_p"),
         ("data.rollout_batch_size=0", "data.rollout_batch_size"),
         ("actor.ppo_mini_batch_size=3", "actor.ppo_mini_batch_size"),
+        ("model.shared_prefix=false", "model.shared_prefix"),
     ],
 )
 def test_bad_value_names_the_key(override, message):
     with pytest.raises(ValueError, match=message):
-        _compose(["+experiment=tiny_cpu", override])
+        _compose(["+experiment=tiny_cpu", "schedule=rollplex", override])

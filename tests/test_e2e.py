@@ -114,3 +114,24 @@ def test_missing_column_fails_before_any_worker_starts(embedded_assets, run_cli,
     assert proc.returncode != 0
     assert "no_answer.parquet" in proc.stderr and "'answer'" in proc.stderr
     assert not (out / "ray").exists()  # failed before Ray (and any worker) started
+
+
+def test_rollplex_schedule_matches_serial(embedded_assets, run_cli, tmp_path):
+    """Synchronous semantics: moving prefix work into decode changes no result (3 steps)."""
+    common = ["trainer.total_steps=3", "trainer.save_freq=3", "trainer.val_freq=0", "trainer.val_before_train=false",
+              "data.rollout_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "model.shared_prefix=true",
+              "trainer.loggers=[jsonl]"]
+    runs = {}
+    for schedule in ("serial", "rollplex"):
+        out = tmp_path / schedule
+        proc = run_cli(out, *common, f"schedule={schedule}")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs[schedule] = (read_metrics_jsonl(out / "metrics.jsonl"),
+                          torch.load(out / "checkpoints" / "global_step_3" / "actor.pt", weights_only=True))
+    (serial, w_serial), (rollplex, w_rollplex) = runs["serial"], runs["rollplex"]
+    for a, b in zip(serial, rollplex):
+        for key in ("critic/score/mean", "reward/accuracy", "response_length/mean", "response_length/max"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), (a["step"], key)
+        assert b["rollplex/prefix_hidden_frac"] > 0.0
+    for name, value in w_serial.items():
+        assert (w_rollplex[name] - value).abs().max() <= 1e-5, name

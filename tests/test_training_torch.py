@@ -16,6 +16,7 @@ from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
 from rollplex_train.runtime.batching import to_train_batch
 from rollplex_train.training.base import create_train_engine
+from rollplex_train.training.prefix_store import StalePrefixError
 from rollplex_train.training.torch_engine import TorchTrainEngine
 
 LR = 1e-3  # large enough that one AdamW step moves every trained tensor visibly
@@ -291,3 +292,31 @@ def test_shared_prefix_engine_matches_full_sequence(tiny_ckpt_qwen25, rollout_ba
         assert float((g - g_split[name]).norm() / g.norm().clamp(min=1e-12)) <= 1e-4, name
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/entropy"):
         assert m_split[key] == pytest.approx(m_full[key], rel=1e-5, abs=1e-7), key
+
+
+def test_precomputed_prefixes_give_the_same_step(tiny_ckpt_qwen25, rollout_batch):
+    """Prefix tasks run ahead (the decode-window work) change nothing in the results."""
+    algo = AlgorithmConfig(use_kl_loss=True, kl_coef=0.1)
+    engines = [TorchTrainEngine(ModelConfig(path=str(tiny_ckpt_qwen25), shared_prefix=True),
+                                ActorConfig(lr=LR, micro_batch_size=4, ppo_mini_batch_size=1), algo, seed=1)
+               for _ in range(2)]
+    plain, ahead = engines
+    with pytest.raises(StalePrefixError):
+        ahead.precompute_prefixes(rollout_batch.prompts, ["old"], weights_version=1)
+    first_group = rollout_batch.prompts[:1]  # only the first mini-batch's actor prefixes may run ahead
+    info = ahead.precompute_prefixes(rollout_batch.prompts, ["old", "ref"], weights_version=0)
+    ahead.precompute_prefixes(first_group, ["actor"], weights_version=0)
+    assert info["prefix/num_states"] == 6 and len(ahead.prefixes) == 7
+    results = []
+    for engine in engines:
+        old, _ = engine.compute_log_probs(rollout_batch, "actor")
+        ref, _ = engine.compute_log_probs(rollout_batch, "ref")
+        metrics = engine.update_actor(_clone(rollout_batch, old_logprobs=old, ref_logprobs=ref))
+        results.append((old, ref, metrics, _state(engine)))
+        assert len(engine.prefixes) == 0
+    (old_a, ref_a, m_a, w_a), (old_b, ref_b, m_b, w_b) = results
+    assert_close(old_b, old_a, atol=1e-6, rtol=0)
+    assert_close(ref_b, ref_a, atol=1e-6, rtol=0)
+    assert m_b["actor/pg_loss"] == pytest.approx(m_a["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    for name, value in w_a.items():
+        assert_close(w_b[name], value, atol=1e-5, rtol=0)

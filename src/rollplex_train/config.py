@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-SCHEDULES = ("serial",)  # disaggregated and rollplex come with the phase planner
+SCHEDULES = ("serial", "rollplex")  # disaggregated: not built yet
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -297,6 +297,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
+        if self.schedule.name == "rollplex" and not self.model.shared_prefix:
+            raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
         mini = self.actor.ppo_mini_batch_size
         if mini > 0 and self.data.rollout_batch_size % mini != 0:
             raise ValueError(

@@ -61,6 +61,10 @@ class RolloutWorker:
     def weights_version(self) -> int:
         return self.engine.weights_version
 
+    def set_threads(self, threads: int) -> None:
+        """This worker's share of the cores for the coming phase."""
+        torch.set_num_threads(threads)
+
 
 class TrainWorker:
     """Holds the training engine (actor + reference + optimizer).
@@ -84,6 +88,13 @@ class TrainWorker:
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()
+
+    def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int):
+        return self.engine.precompute_prefixes(prompts, roles, weights_version)
+
+    def set_threads(self, threads: int) -> None:
+        """This worker's share of the cores for the coming phase."""
+        torch.set_num_threads(threads)
 
     def weights_version(self) -> int:
         return self.engine.weights_version

@@ -51,17 +51,25 @@ class SerialSchedule:
         ray.get(self.workers.rollout.update_weights.remote(weights, version))
         self.weights_version = version
 
+    def rollout_phase(self, prompts: list[PromptSample], step: int, t: dict[str, float]):
+        """Decode the step's responses (timed as ``gen``); the serial schedule does nothing else
+        meanwhile. Returns (responses, extra metrics)."""
+        with timer("gen", t):
+            responses = ray.get(self.workers.rollout.generate.remote(
+                prompts, sampling_params(self.cfg, step), self.weights_version))
+        return responses, {}
+
     def run_step(self, prompts: list[PromptSample], step: int) -> dict[str, float]:
         """One synchronous on-policy step; returns the step's metrics."""
         cfg, w = self.cfg, self.workers
         temp = cfg.rollout.temperature
         t: dict[str, float] = {}
         with timer("step", t):
-            with timer("gen", t):
-                responses = ray.get(w.rollout.generate.remote(prompts, sampling_params(cfg, step), self.weights_version))
+            responses, window_metrics = self.rollout_phase(prompts, step, t)
             batch = batching.to_train_batch(prompts, responses, self.pad_id)
             with timer("reward", t):
                 scores, metrics = batching.score_responses(self.reward, batch, responses)
+            metrics.update(window_metrics)
             with timer("old_log_prob", t):
                 batch.old_logprobs, _ = ray.get(w.train.compute_log_probs.remote(batch, "actor", temp))
             if cfg.algorithm.needs_reference:

@@ -41,6 +41,15 @@ class TrainEngine(abc.ABC):
         Increments ``weights_version`` by one.
         """
 
+    def precompute_prefixes(self, prompts, roles: list[str], weights_version: int) -> dict[str, float]:
+        """Encode prompt prefixes ahead of their suffix passes (``schedule=rollplex``); returns
+        ``prefix/*`` metrics including ``prefix/seconds``.
+
+        Raises:
+            NotImplementedError: the backend has no prefix/suffix decomposition.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot precompute prefixes")
+
     @abc.abstractmethod
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """The actor weights under the rollout engine's parameter names."""

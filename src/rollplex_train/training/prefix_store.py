@@ -64,10 +64,19 @@ class PrefixStore:
             )
         raise KeyError(f"no {role} prefix held for {uid!r} in {self.owner}")
 
+    def holds(self, uid: str, role: str, version: Version) -> bool:
+        """True when the exact (uid, role, version) state is held."""
+        return PrefixKey(uid, role, version) in self._states
+
     def release(self, uid: str, role: str, version: Version) -> int:
         """Free the state (drop the store's reference); returns the bytes it held (0 if absent)."""
         state = self._states.pop(PrefixKey(uid, role, version), None)
         return 0 if state is None else state.nbytes
+
+    def drop_other_versions(self, role: str, keep: Version) -> int:
+        """Free every ``role`` state not made under ``keep``; returns the bytes freed."""
+        stale = [k for k in self._states if k.role == role and k.version != keep]
+        return sum(self.release(k.uid, k.role, k.version) for k in stale)
 
     def __len__(self) -> int:
         return len(self._states)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -24,7 +25,7 @@ from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
 from rollplex_train.training.base import TrainEngine, register_train_engine
-from rollplex_train.training.prefix_store import PrefixStore
+from rollplex_train.training.prefix_store import PrefixStore, StalePrefixError
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class TorchTrainEngine(TrainEngine):
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
         )
         self.weights_version = 0
+        self.param_version = 0  # optimizer steps taken by this process (keys actor prefix states)
         self.prefixes = PrefixStore(owner="train-worker")
 
     # ---- scoring ----------------------------------------------------------------------------------
@@ -88,18 +90,56 @@ class TorchTrainEngine(TrainEngine):
                 temperature=temperature, with_entropy=with_entropy,
             )
         groups = sorted(set(part["group_index"].tolist()))
-        version = "ref" if role == "ref" else self.weights_version
         prompts = [batch.prompts[g] for g in groups]
-        for state in encode_prefix(model, prompts, version=version, with_grad=torch.is_grad_enabled(),
-                                   freeze_vision=self.model_cfg.freeze_vision_tower):
-            self.prefixes.put(role, state)
-        states = [self.prefixes.take(p.uid, role, version) for p in prompts]
+        store_role, version = self._prefix_key(role)
+        missing = [p for p in prompts if not self.prefixes.holds(p.uid, store_role, version)]
+        if missing:  # not precomputed (e.g. in a decode window): compute now
+            self._encode(missing, store_role)
+        states = [self.prefixes.take(p.uid, store_role, version) for p in prompts]
         local = torch.tensor([groups.index(g) for g in part["group_index"].tolist()], dtype=torch.long)
         out = score_suffix(model, states, local, part["response_ids"], part["response_mask"],
                            temperature=temperature, with_entropy=with_entropy)
         for p in prompts:  # the suffix pass was the last consumer (backward holds its own references)
-            self.prefixes.release(p.uid, role, version)
+            self.prefixes.release(p.uid, store_role, version)
         return part, out
+
+    def _prefix_key(self, role: str) -> tuple[str, object]:
+        """(store role, version) of a pass: ``ref`` (frozen), ``old`` (actor, no grad) or ``actor``
+        (with graph); actor prefixes are keyed by the exact parameter state (optimizer steps taken)."""
+        if role == "ref":
+            return "ref", "ref"
+        return ("actor" if torch.is_grad_enabled() else "old"), self.param_version
+
+    def _encode(self, prompts, store_role: str) -> None:
+        model = self.ref if store_role == "ref" else self.actor
+        version = "ref" if store_role == "ref" else self.param_version
+        with torch.set_grad_enabled(store_role == "actor"):
+            for state in encode_prefix(model, prompts, version=version, with_grad=store_role == "actor",
+                                       freeze_vision=self.model_cfg.freeze_vision_tower):
+                self.prefixes.put(store_role, state)
+
+    def precompute_prefixes(self, prompts, roles: list[str], weights_version: int) -> dict[str, float]:
+        """Encode the prefixes of ``prompts`` for later suffix passes (the decode-window work).
+
+        Args:
+            roles: any of ``ref`` (reference), ``old`` (old-policy log-probs), ``actor`` (with the
+                autograd graph, for the first mini-batch of the next update).
+            weights_version: the version the caller expects (the rollout's).
+
+        Raises:
+            StalePrefixError: ``weights_version`` differs from this engine's.
+            ValueError: a ``ref`` prefix without a reference model, or an unknown role.
+        """
+        if weights_version != self.weights_version:
+            raise StalePrefixError(f"prefix tasks for weights version {weights_version}, the actor holds "
+                                   f"version {self.weights_version}")
+        start = time.perf_counter()
+        for role in roles:
+            if role not in ("ref", "old", "actor") or (role == "ref" and self.ref is None):
+                raise ValueError(f"cannot precompute {role!r} prefixes (reference present: {self.ref is not None})")
+            self._encode(prompts, role)
+        return {"prefix/bytes_held": float(self.prefixes.bytes_held), "prefix/num_states": float(len(self.prefixes)),
+                "prefix/seconds": time.perf_counter() - start}
 
     def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """Split ``rows`` into micro-batches of at most ``micro_batch_size`` responses; with a shared
@@ -157,6 +197,10 @@ class TorchTrainEngine(TrainEngine):
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         self.actor.eval()
+        for role in ("old", "actor"):  # precomputed for a parameter state that no longer exists
+            dropped = self.prefixes.drop_other_versions(role, self.param_version)
+            if dropped:
+                log.warning("dropped %d bytes of unused %s prefix states after the update", dropped, role)
         self.weights_version += 1
         out = {k: v / count for k, v in sums.items()}
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
@@ -196,6 +240,7 @@ class TorchTrainEngine(TrainEngine):
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
+            self.param_version += 1
         else:
             log.warning("non-finite grad norm %s: optimizer step skipped", grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
