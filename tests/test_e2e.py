@@ -6,6 +6,7 @@ checkpoint under artifacts/), built here if missing, exactly as `make run` uses 
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -116,22 +117,30 @@ def test_missing_column_fails_before_any_worker_starts(embedded_assets, run_cli,
     assert not (out / "ray").exists()  # failed before Ray (and any worker) started
 
 
-def test_rollplex_schedule_matches_serial(embedded_assets, run_cli, tmp_path):
-    """Synchronous semantics: moving prefix work into decode changes no result (3 steps)."""
+def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_path):
+    """Synchronous semantics: moving prefix work into decode (rollplex) or splitting the cores
+    (disaggregated) changes no result over 3 steps; the rollplex step trace opens as Chrome JSON."""
     common = ["trainer.total_steps=3", "trainer.save_freq=3", "trainer.val_freq=0", "trainer.val_before_train=false",
               "data.rollout_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "model.shared_prefix=true",
               "trainer.loggers=[jsonl]"]
     runs = {}
-    for schedule in ("serial", "rollplex"):
+    for schedule in ("serial", "disaggregated", "rollplex"):
         out = tmp_path / schedule
-        proc = run_cli(out, *common, f"schedule={schedule}")
+        proc = run_cli(out, *common, f"schedule={schedule}", "trainer.trace_steps=[2]")
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[schedule] = (read_metrics_jsonl(out / "metrics.jsonl"),
                           torch.load(out / "checkpoints" / "global_step_3" / "actor.pt", weights_only=True))
-    (serial, w_serial), (rollplex, w_rollplex) = runs["serial"], runs["rollplex"]
-    for a, b in zip(serial, rollplex):
-        for key in ("critic/score/mean", "reward/accuracy", "response_length/mean", "response_length/max"):
-            assert b[key] == pytest.approx(a[key], abs=1e-6), (a["step"], key)
-        assert b["rollplex/prefix_hidden_frac"] > 0.0
-    for name, value in w_serial.items():
-        assert (w_rollplex[name] - value).abs().max() <= 1e-5, name
+    serial, w_serial = runs["serial"]
+    for schedule in ("disaggregated", "rollplex"):
+        other, w_other = runs[schedule]
+        for a, b in zip(serial, other):
+            for key in ("critic/score/mean", "reward/accuracy", "response_length/mean", "response_length/max"):
+                assert b[key] == pytest.approx(a[key], abs=1e-6), (schedule, a["step"], key)
+        for name, value in w_serial.items():
+            assert (w_other[name] - value).abs().max() <= 1e-5, (schedule, name)
+    assert all(r["rollplex/prefix_hidden_frac"] > 0.0 for r in runs["rollplex"][0])
+    trace = json.loads((tmp_path / "rollplex" / "traces" / "step_2.json").read_text())
+    rows = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    slices = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert rows == {"driver", "rollout", "train"}
+    assert {"gen", "prefix(old,ref)", "prefix(actor)", "old_log_prob", "update_actor"} <= slices

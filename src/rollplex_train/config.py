@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-SCHEDULES = ("serial", "rollplex")  # disaggregated: not built yet
+SCHEDULES = ("serial", "disaggregated", "rollplex")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -274,6 +274,8 @@ class TrainerConfig:
     export_hf: bool = True
     """Write the final actor as a HF checkpoint directory under ``output_dir/hf_actor``."""
     progress_bar: bool = True
+    trace_steps: list[int] = field(default_factory=list)
+    """Steps whose phase timeline is written as a Chrome trace to ``output_dir/traces/step_<k>.json``."""
 
     def __post_init__(self) -> None:
         _check_positive("trainer", "total_steps", self.total_steps)

@@ -102,6 +102,8 @@ class Trainer:
                 self._fault_hook()
                 prompts, num_skipped = self.loader.next_batch()
                 metrics = self.schedule.run_step(prompts, self.step)
+                if self.step in cfg.trainer.trace_steps:
+                    self.schedule.timeline.write_chrome_trace(self.output_dir / "traces" / f"step_{self.step}.json")
                 metrics["data/skipped"] = float(num_skipped)
                 metrics["data/skipped_total"] = float(sum(self.train_set.skipped.values()))
                 metrics["training/epoch"] = float(self.loader.state_dict().get("epoch", 0))

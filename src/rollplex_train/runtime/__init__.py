@@ -9,6 +9,7 @@ def make_schedule(cfg, workers, reward, pad_id):
     Raises:
         NotImplementedError: a schedule that this build does not have yet.
     """
+    from rollplex_train.runtime.disaggregated import DisaggregatedSchedule
     from rollplex_train.runtime.rollplex import RollplexSchedule
     from rollplex_train.runtime.serial import SerialSchedule
 
@@ -16,4 +17,6 @@ def make_schedule(cfg, workers, reward, pad_id):
         return SerialSchedule(cfg, workers, reward, pad_id)
     if cfg.schedule.name == "rollplex":
         return RollplexSchedule(cfg, workers, reward, pad_id)
+    if cfg.schedule.name == "disaggregated":
+        return DisaggregatedSchedule(cfg, workers, reward, pad_id)
     raise NotImplementedError(f"schedule.name={cfg.schedule.name!r} is not built yet; use 'serial'")

@@ -11,13 +11,10 @@ suffixes against the stored prefixes.
 
 from __future__ import annotations
 
-import time
-
 import ray
 
 from rollplex_train.data.types import PromptSample
 from rollplex_train.runtime.serial import SerialSchedule, sampling_params
-from rollplex_train.tracking.timing import timer
 
 
 class RollplexSchedule(SerialSchedule):
@@ -29,19 +26,24 @@ class RollplexSchedule(SerialSchedule):
         roles = ["old"] + (["ref"] if cfg.algorithm.needs_reference else [])
         total = w.threads
         window = (max(1, (total + 1) // 2), max(1, total // 2))  # (decode, prefix) threads
-        with timer("gen", t):
-            ray.get([w.rollout.set_threads.remote(window[0]), w.train.set_threads.remote(window[1])])
-            start = time.perf_counter()
+        tl = self.timeline
+        ray.get([w.rollout.set_threads.remote(window[0]), w.train.set_threads.remote(window[1])])
+        with tl.span("gen", "rollout", t):
+            start = tl.now()
             generated = w.rollout.generate.remote(prompts, sampling_params(cfg, step), self.weights_version)
             prefix_tasks = [
                 w.train.precompute_prefixes.remote(prompts, roles, self.weights_version),
                 w.train.precompute_prefixes.remote(prompts[:mini], ["actor"], self.weights_version),
             ]
             responses = ray.get(generated)
-            decode_s = time.perf_counter() - start
-        with timer("prefix_exposed", t):  # prefix work still running after decode ended
+            decode_s = tl.now() - start
+        with tl.span("prefix_exposed", "train", t):  # prefix work still running after decode ended
             results = ray.get(prefix_tasks)
         ray.get([w.rollout.set_threads.remote(total), w.train.set_threads.remote(total)])
+        offset = start
+        for name, r in zip(("prefix(old,ref)", "prefix(actor)"), results):  # worker-side durations
+            tl.add(name, "train", offset, offset + r["prefix/seconds"])
+            offset += r["prefix/seconds"]
         prefix_s = sum(r["prefix/seconds"] for r in results)
         hidden_s = max(0.0, prefix_s - t["prefix_exposed"])
         metrics = {

@@ -14,6 +14,7 @@ from rollplex_train.config import Config
 from rollplex_train.data.types import PromptSample
 from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.runtime import batching
+from rollplex_train.runtime.timeline import Timeline
 from rollplex_train.tracking.timing import compute_throughput, timer, timing_metrics
 
 
@@ -44,6 +45,7 @@ class SerialSchedule:
     def __init__(self, cfg: Config, workers: WorkerGroup, reward: RewardManager, pad_id: int):
         self.cfg, self.workers, self.reward, self.pad_id = cfg, workers, reward, pad_id
         self.weights_version = 0
+        self.timeline = Timeline()  # the spans of the last step (Chrome trace / Gantt)
 
     def sync_weights(self, version: int) -> None:
         """Push the actor's weights to the rollout engine as ``version``."""
@@ -54,7 +56,7 @@ class SerialSchedule:
     def rollout_phase(self, prompts: list[PromptSample], step: int, t: dict[str, float]):
         """Decode the step's responses (timed as ``gen``); the serial schedule does nothing else
         meanwhile. Returns (responses, extra metrics)."""
-        with timer("gen", t):
+        with self.timeline.span("gen", "rollout", t):
             responses = ray.get(self.workers.rollout.generate.remote(
                 prompts, sampling_params(self.cfg, step), self.weights_version))
         return responses, {}
@@ -64,22 +66,23 @@ class SerialSchedule:
         cfg, w = self.cfg, self.workers
         temp = cfg.rollout.temperature
         t: dict[str, float] = {}
+        self.timeline = tl = Timeline()
         with timer("step", t):
             responses, window_metrics = self.rollout_phase(prompts, step, t)
             batch = batching.to_train_batch(prompts, responses, self.pad_id)
-            with timer("reward", t):
+            with tl.span("reward", "driver", t):
                 scores, metrics = batching.score_responses(self.reward, batch, responses)
             metrics.update(window_metrics)
-            with timer("old_log_prob", t):
+            with tl.span("old_log_prob", "train", t):
                 batch.old_logprobs, _ = ray.get(w.train.compute_log_probs.remote(batch, "actor", temp))
             if cfg.algorithm.needs_reference:
-                with timer("ref", t):
+                with tl.span("ref", "train", t):
                     batch.ref_logprobs, _ = ray.get(w.train.compute_log_probs.remote(batch, "ref", temp))
-            with timer("adv", t):
+            with tl.span("adv", "driver", t):
                 metrics.update(batching.add_advantages(cfg, batch, scores))
-            with timer("update_actor", t):
+            with tl.span("update_actor", "train", t):
                 metrics.update(ray.get(w.train.update_actor.remote(batch, temp)))
-            with timer("update_weights", t):
+            with tl.span("update_weights", "rollout", t):
                 self.sync_weights(self.weights_version + 1)
         metrics.update(batching.batch_metrics(batch, responses, cfg.rollout.max_new_tokens))
         metrics.update(timing_metrics(t))

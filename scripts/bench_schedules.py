@@ -1,0 +1,95 @@
+"""serial vs serial+shared prefix vs disaggregated vs rollplex, side by side in one run (issue 4).
+
+    python scripts/bench_schedules.py            # bench_cpu workload, 2 steps per schedule
+
+Each schedule runs `rollplex-train +experiment=bench_cpu` (same data, same seed) for ``--steps``
+steps; the last step is timed (the first one warms up) and traced. Prints a table, writes
+``<out>/gantt.png`` and ``<out>/<schedule>/traces/step_<k>.json`` and, as the last line,
+``schedules: rollplex/serial=<x> rollplex/serial_shared=<y> rollplex/disaggregated=<z> prefix_hidden=<p>%``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from rollplex_train.models.tiny import make_tiny_checkpoint
+from rollplex_train.runtime.timeline import Span, Timeline, plot_gantt
+from rollplex_train.tracking.loggers import read_metrics_jsonl
+
+SCHEDULES = {  # label -> overrides
+    "serial": ["schedule=serial", "model.shared_prefix=false"],
+    "serial_shared": ["schedule=serial", "model.shared_prefix=true"],
+    "disaggregated": ["schedule=disaggregated", "model.shared_prefix=false"],
+    "rollplex": ["schedule=rollplex", "model.shared_prefix=true"],
+}
+
+
+def bench_manifest(tasks: Path) -> Path:
+    """Half images (colour), half 8-frame videos (direction), interleaved: ``bench_train.parquet``."""
+    out = tasks / "bench_train.parquet"
+    colour = pq.read_table(tasks / "color_train.parquet").slice(0, 32).to_pylist()
+    video = pq.read_table(tasks / "direction_train.parquet").slice(0, 32).to_pylist()
+    rows = [r for pair in zip(colour, video) for r in pair]
+    import pyarrow as pa
+
+    pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(tasks / "color_train.parquet")), out)
+    return out
+
+
+def timeline_from_trace(path: Path) -> Timeline:
+    data = json.loads(path.read_text())
+    rows = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"}
+    tl = Timeline()
+    tl.spans = [Span(e["name"], rows[e["tid"]], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+                for e in data["traceEvents"] if e["ph"] == "X"]
+    return tl
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="artifacts/checkpoints/small-qwen25vl")
+    parser.add_argument("--tasks", default="artifacts/data/visual_tasks")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--out", default="outputs/bench_schedules")
+    parser.add_argument("--only", default=",".join(SCHEDULES), help="comma-separated subset of schedules")
+    args = parser.parse_args()
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        model = model.with_name(model.name + "-random")
+        if not (model / "config.json").is_file():
+            make_tiny_checkpoint(model, size="small", tasks_dir=None)
+    manifest = bench_manifest(Path(args.tasks))
+    cli = Path(sys.executable).parent / "rollplex-train"
+    results = {}
+    for label in args.only.split(","):
+        out = Path(args.out) / label
+        cmd = [str(cli), "+experiment=bench_cpu", *SCHEDULES[label], f"model.path={model}",
+               f"data.train_files={manifest}", f"trainer.total_steps={args.steps}", "trainer.resume=disable",
+               f"trainer.trace_steps=[{args.steps}]", f"hydra.run.dir={out}", f"trainer.output_dir={out}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
+        if proc.returncode != 0:
+            sys.exit(f"{label} failed:\n{proc.stderr[-3000:]}")
+        last = read_metrics_jsonl(out / "metrics.jsonl")[-1]
+        results[label] = (last, timeline_from_trace(out / "traces" / f"step_{args.steps}.json"))
+        print(f"{label:<15} step {last['timing_s/step']:7.2f} s  gen {last['timing_s/gen']:6.2f}  "
+              f"old {last.get('timing_s/old_log_prob', 0):6.2f}  ref {last.get('timing_s/ref', 0):6.2f}  "
+              f"update {last['timing_s/update_actor']:6.2f}  score {last['critic/score/mean']:.4f}", flush=True)
+    plot_gantt({k: tl for k, (_, tl) in results.items()}, Path(args.out) / "gantt.png",
+               title=f"bench_cpu, step {args.steps}")
+    step = {k: m["timing_s/step"] for k, (m, _) in results.items()}
+    if set(step) == set(SCHEDULES):
+        hidden = results["rollplex"][0]["rollplex/prefix_hidden_frac"] * 100
+        print(f"schedules: rollplex/serial={step['serial'] / step['rollplex']:.2f} "
+              f"rollplex/serial_shared={step['serial_shared'] / step['rollplex']:.2f} "
+              f"rollplex/disaggregated={step['disaggregated'] / step['rollplex']:.2f} prefix_hidden={hidden:.0f}%")
+
+
+if __name__ == "__main__":
+    main()
