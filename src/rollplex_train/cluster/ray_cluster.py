@@ -66,6 +66,16 @@ class WorkerGroup:
     train: "object"
     threads: int
 
+    def halves(self) -> tuple[int, int]:
+        """(rollout, train) threads when the two share the cores side by side."""
+        return max(1, (self.threads + 1) // 2), max(1, self.threads // 2)
+
+    def share_threads(self, rollout: int, train: int) -> None:
+        """Give each worker its thread count for the coming phase (one Ray round trip each)."""
+        import ray
+
+        ray.get([self.rollout.set_threads.remote(rollout), self.train.set_threads.remote(train)])
+
 
 def create_worker_group(cfg: Config) -> WorkerGroup:
     """Spawn one RolloutWorker and one TrainWorker and wait until both have loaded their models.

@@ -23,7 +23,7 @@ from typing import Optional, Union
 import torch
 
 from rollplex_train.data.types import PromptSample, VisionInputs
-from rollplex_train.models.sequence import logprobs_from_hidden, rope_positions
+from rollplex_train.models.sequence import logprobs_from_hidden, pad_prompts, prompt_columns, rope_positions
 
 
 @dataclass
@@ -132,17 +132,8 @@ def encode_prefix(
     """
     from transformers import DynamicCache
 
-    if padding not in ("left", "right"):
-        raise ValueError(f"padding={padding!r}: expected 'left' or 'right'")
-    pad_id = model.config.get_text_config().pad_token_id or 0
-    lengths = [p.prompt_length for p in prompts]
-    width = max(lengths)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        cols = slice(width - lengths[i], width) if padding == "left" else slice(0, lengths[i])
-        ids[i, cols] = p.prompt_ids
-        mask[i, cols] = 1
+    ids, mask = pad_prompts(prompts, model.config.get_text_config().pad_token_id or 0, side=padding)
+    width = ids.shape[1]
     vision = VisionInputs.concat([p.vision for p in prompts])
     counter = _SavedBytes(model)
     with torch.set_grad_enabled(with_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
@@ -155,15 +146,15 @@ def encode_prefix(
     states = []
     per_prompt_bytes = counter.bytes // max(len(prompts), 1)
     for i, p in enumerate(prompts):
-        cols = slice(width - lengths[i], width) if padding == "left" else slice(0, lengths[i])
-        last = width - 1 if padding == "left" else lengths[i] - 1
+        cols = prompt_columns(p.prompt_length, width, padding)
+        last = cols.stop - 1
         states.append(PrefixState(
             uid=p.uid,
             version=version,
             keys=[layer.keys[i : i + 1, :, cols] for layer in cache.layers],
             values=[layer.values[i : i + 1, :, cols] for layer in cache.layers],
             last_hidden=out.last_hidden_state[i, last],
-            next_position=int(lengths[i] + deltas[i, 0]),
+            next_position=int(p.prompt_length + deltas[i, 0]),
             requires_grad=with_grad,
             saved_bytes=per_prompt_bytes if with_grad else 0,
         ))

@@ -61,6 +61,29 @@ def rope_positions(
     return position_ids, deltas.long()
 
 
+def prompt_columns(length: int, width: int, side: str) -> slice:
+    """The columns a prompt of ``length`` tokens occupies in a batch ``width`` wide, padded on ``side``."""
+    return slice(width - length, width) if side == "left" else slice(0, length)
+
+
+def pad_prompts(prompts: list[PromptSample], pad_id: int, side: str = "left") -> tuple[torch.Tensor, torch.Tensor]:
+    """(P, L) int64 prompt ids padded on ``side`` (``left`` or ``right``) and their attention mask.
+
+    Raises:
+        ValueError: unknown side.
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"padding={side!r}: expected 'left' or 'right'")
+    width = max(p.prompt_length for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        cols = prompt_columns(p.prompt_length, width, side)
+        ids[i, cols] = p.prompt_ids
+        mask[i, cols] = 1
+    return ids, mask
+
+
 def vision_kwargs(vision: VisionInputs) -> dict:
     """Forward keyword arguments for the vision inputs (absent ones left out)."""
     out = {}

@@ -19,7 +19,7 @@ import torch
 
 from rollplex_train.data.types import PromptSample, Response, VisionInputs
 from rollplex_train.models.loading import load_model, load_tokenizer
-from rollplex_train.models.sequence import rope_positions, vision_kwargs
+from rollplex_train.models.sequence import pad_prompts, rope_positions, vision_kwargs
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
 
 log = logging.getLogger(__name__)
@@ -45,17 +45,6 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         logits = logits.masked_fill(remove, float("-inf"))
     return logits
-
-
-def left_pad(prompts: list[PromptSample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P, L) int64 left-padded prompt ids and their attention mask."""
-    max_len = max(p.prompt_length for p in prompts)
-    ids = torch.full((len(prompts), max_len), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), max_len), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, max_len - p.prompt_length :] = p.prompt_ids
-        mask[i, max_len - p.prompt_length :] = 1
-    return ids, mask
 
 
 @register_rollout_engine("builtin")
@@ -139,7 +128,7 @@ class BuiltinRolloutEngine(RolloutEngine):
         from transformers import DynamicCache
 
         model, n = self.model, params.n
-        ids, mask = left_pad(prompts, self.pad_id)
+        ids, mask = pad_prompts(prompts, self.pad_id, side="left")
         vision = VisionInputs.concat([p.vision for p in prompts])
         position_ids, deltas = rope_positions(model, ids, mask, vision)
         cache = DynamicCache(config=model.config)

@@ -7,16 +7,12 @@ rollout engine and the trainer sit on separate GPU sets: each side idles while t
 
 from __future__ import annotations
 
-import ray
-
 from rollplex_train.runtime.serial import SerialSchedule
 
 
 class DisaggregatedSchedule(SerialSchedule):
     """Serial phases, each worker pinned to half of the threads for the whole run."""
 
-    def run_step(self, prompts, step):
-        total = self.workers.threads
-        halves = (max(1, (total + 1) // 2), max(1, total // 2))  # (rollout, train)
-        ray.get([self.workers.rollout.set_threads.remote(halves[0]), self.workers.train.set_threads.remote(halves[1])])
-        return super().run_step(prompts, step)
+    def __init__(self, cfg, workers, reward, pad_id):
+        super().__init__(cfg, workers, reward, pad_id)
+        workers.share_threads(*workers.halves())

@@ -24,10 +24,8 @@ class RollplexSchedule(SerialSchedule):
         cfg, w = self.cfg, self.workers
         mini = cfg.actor.ppo_mini_batch_size if cfg.actor.ppo_mini_batch_size > 0 else len(prompts)
         roles = ["old"] + (["ref"] if cfg.algorithm.needs_reference else [])
-        total = w.threads
-        window = (max(1, (total + 1) // 2), max(1, total // 2))  # (decode, prefix) threads
         tl = self.timeline
-        ray.get([w.rollout.set_threads.remote(window[0]), w.train.set_threads.remote(window[1])])
+        w.share_threads(*w.halves())  # (decode, prefix) threads inside the window
         with tl.span("gen", "rollout", t):
             start = tl.now()
             generated = w.rollout.generate.remote(prompts, sampling_params(cfg, step), self.weights_version)
@@ -39,7 +37,7 @@ class RollplexSchedule(SerialSchedule):
             decode_s = tl.now() - start
         with tl.span("prefix_exposed", "train", t):  # prefix work still running after decode ended
             results = ray.get(prefix_tasks)
-        ray.get([w.rollout.set_threads.remote(total), w.train.set_threads.remote(total)])
+        w.share_threads(w.threads, w.threads)
         offset = start
         for name, r in zip(("prefix(old,ref)", "prefix(actor)"), results):  # worker-side durations
             tl.add(name, "train", offset, offset + r["prefix/seconds"])

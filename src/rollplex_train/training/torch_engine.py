@@ -105,14 +105,17 @@ class TorchTrainEngine(TrainEngine):
 
     def _prefix_key(self, role: str) -> tuple[str, object]:
         """(store role, version) of a pass: ``ref`` (frozen), ``old`` (actor, no grad) or ``actor``
-        (with graph); actor prefixes are keyed by the exact parameter state (optimizer steps taken)."""
-        if role == "ref":
-            return "ref", "ref"
-        return ("actor" if torch.is_grad_enabled() else "old"), self.param_version
+        (with graph)."""
+        store_role = "ref" if role == "ref" else ("actor" if torch.is_grad_enabled() else "old")
+        return store_role, self._prefix_version(store_role)
+
+    def _prefix_version(self, store_role: str):
+        """Actor prefixes are keyed by the exact parameter state (optimizer steps taken)."""
+        return "ref" if store_role == "ref" else self.param_version
 
     def _encode(self, prompts, store_role: str) -> None:
         model = self.ref if store_role == "ref" else self.actor
-        version = "ref" if store_role == "ref" else self.param_version
+        version = self._prefix_version(store_role)
         with torch.set_grad_enabled(store_role == "actor"):
             for state in encode_prefix(model, prompts, version=version, with_grad=store_role == "actor",
                                        freeze_vision=self.model_cfg.freeze_vision_tower):
