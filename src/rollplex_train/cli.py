@@ -1,9 +1,11 @@
-"""Entry points: ``rollplex-train`` (Hydra app: compose config, start the cluster, train)."""
+"""Entry points: ``rollplex-train`` (Hydra app: compose config, start the cluster, train) and
+``rollplex-plan <memory|sharing>`` (the same config, printed plans; no cluster, no weights)."""
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -43,3 +45,43 @@ def train_main() -> None:
 
     register_configs()
     hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_train)()
+
+
+PLANS = {
+    "memory": "rollplex_train.memory.report",
+    "sharing": "rollplex_train.sharing.report",
+}
+"""``rollplex-plan`` subcommand -> module with ``report(config: Config) -> str``."""
+
+
+def _plan(kind: str, cfg) -> None:
+    import importlib
+
+    from rollplex_train.config import to_config
+
+    config = to_config(cfg)
+    text = importlib.import_module(PLANS[kind]).report(config)
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+def plan_main() -> None:
+    """``rollplex-plan <memory|sharing> +experiment=<name> [key=value ...]``: print a plan.
+
+    The subcommand is taken off ``sys.argv``; the rest are Hydra overrides as for ``rollplex-train``.
+    Nothing is written to disk (no Hydra output directory, logging to stdout).
+    """
+    import functools
+
+    import hydra
+
+    from rollplex_train.config import register_configs
+
+    if len(sys.argv) < 2 or sys.argv[1] not in PLANS:
+        sys.stderr.write(f"usage: rollplex-plan {{{'|'.join(PLANS)}}} +experiment=<name> [key=value ...]\n")
+        raise SystemExit(2)
+    kind = sys.argv.pop(1)
+    sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=stdout", "hydra/hydra_logging=none"]
+    register_configs()
+    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(
+        functools.partial(_plan, kind)
+    )()

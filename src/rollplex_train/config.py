@@ -49,6 +49,9 @@ class ModelConfig:
     """Keep the vision encoder (and its merger) frozen in the actor update."""
     shared_prefix: bool = False
     """Score/train the prompt prefix once per group (prefix/suffix decomposition)."""
+    hf_config: Optional[str] = None
+    """A HF ``config.json`` describing the architecture, for ``rollplex-plan`` when the checkpoint
+    in ``path`` is not on this machine (None: read ``path/config.json``)."""
 
     def __post_init__(self) -> None:
         _check_choice("model", "dtype", self.dtype, DTYPES)
@@ -152,6 +155,8 @@ class RolloutConfig:
     """Always decode ``max_new_tokens`` tokens (benchmarks)."""
     max_batch_size: int = 256
     """Most sequences decoded together; larger requests are split."""
+    tensor_parallel_size: int = 1
+    """TP degree of each rollout engine (SGLang ``tp_size``)."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
     seed: int = 1234
@@ -165,6 +170,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_p={self.top_p}: expected 0 < top_p <= 1")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k={self.top_k}: expected -1 (off) or a positive integer")
+        _check_positive("rollout", "tensor_parallel_size", self.tensor_parallel_size)
 
 
 @dataclass(kw_only=True)
@@ -190,6 +196,10 @@ class ActorConfig:
     """PPO ratio clip range [1 - low, 1 + high] (DAPO's clip-higher when high > low)."""
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
+    tensor_parallel_size: int = 1
+    """TP degree of the actor/reference (Megatron ``tensor_model_parallel_size``)."""
+    pipeline_parallel_size: int = 1
+    """PP degree of the actor/reference (Megatron ``pipeline_model_parallel_size``)."""
 
     def __post_init__(self) -> None:
         _check_positive("actor", "lr", self.lr, allow_zero=True)
@@ -198,6 +208,8 @@ class ActorConfig:
         _check_positive("actor", "clip_ratio_low", self.clip_ratio_low, allow_zero=True)
         _check_positive("actor", "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
         _check_choice("actor", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_positive("actor", "tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("actor", "pipeline_parallel_size", self.pipeline_parallel_size)
         if len(self.betas) != 2:
             raise ValueError(f"actor.betas={self.betas}: expected two numbers")
         if self.ppo_mini_batch_size == 0 or self.ppo_mini_batch_size < -1:
@@ -228,7 +240,9 @@ class ClusterConfig:
     num_cpus: Optional[int] = None
     """CPUs given to a local Ray cluster (None: all cores)."""
     num_gpus: int = 0
-    """GPUs per colocated worker group (0: CPU run)."""
+    """GPUs of the colocated worker group, all nodes together (0: CPU run)."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU in GiB (the residency planner's device budget)."""
     object_store_memory_bytes: int = 200 * 1024**2
     threads_per_worker: Optional[int] = None
     """torch intra-op threads in each worker (None: the cluster's CPUs)."""
@@ -239,6 +253,22 @@ class ClusterConfig:
         _check_choice("cluster", "device_share", self.device_share, ("cores", "streams", "mps"))
         if self.num_cpus is not None:
             _check_positive("cluster", "num_cpus", self.num_cpus)
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    """Phase-aware residency of tensor groups (``memory/``)."""
+
+    budget_gib: Optional[float] = None
+    """Device bytes the residency plan may use per GPU, in GiB (None: ``cluster.gpu_memory_gib``)."""
+
+
+@dataclass(kw_only=True)
+class SharingConfig:
+    """Weight sharing between the training and rollout TP layouts (``sharing/``)."""
+
+    enabled: bool = True
+    """Hand rollout weights over as views of the training shards (IPC handles) where layouts allow."""
 
 
 @dataclass(kw_only=True)
@@ -296,6 +326,8 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    sharing: SharingConfig = field(default_factory=SharingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
