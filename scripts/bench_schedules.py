@@ -56,7 +56,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="artifacts/checkpoints/small-qwen25vl")
     parser.add_argument("--tasks", default="artifacts/data/visual_tasks")
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out", default="outputs/bench_schedules")
     parser.add_argument("--only", default=",".join(SCHEDULES), help="comma-separated subset of schedules")
     args = parser.parse_args()

@@ -126,7 +126,7 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
     runs = {}
     for schedule in ("serial", "disaggregated", "rollplex"):
         out = tmp_path / schedule
-        proc = run_cli(out, *common, f"schedule={schedule}", "trainer.trace_steps=[2]")
+        proc = run_cli(out, *common, f"schedule={schedule}", "trainer.trace_steps=[3]")
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[schedule] = (read_metrics_jsonl(out / "metrics.jsonl"),
                           torch.load(out / "checkpoints" / "global_step_3" / "actor.pt", weights_only=True))
@@ -138,9 +138,12 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
                 assert b[key] == pytest.approx(a[key], abs=1e-6), (schedule, a["step"], key)
         for name, value in w_serial.items():
             assert (w_other[name] - value).abs().max() <= 1e-5, (schedule, name)
-    assert all(r["rollplex/prefix_hidden_frac"] > 0.0 for r in runs["rollplex"][0])
-    trace = json.loads((tmp_path / "rollplex" / "traces" / "step_2.json").read_text())
+    rollplex = runs["rollplex"][0]  # steps 1-2 profile serially, step 3 at the even split
+    assert [r["planner/profiling"] for r in rollplex] == [1.0, 1.0, 1.0]
+    assert [r["planner/train_share"] for r in rollplex] == [0.0, 0.0, 1.0]
+    assert rollplex[0]["rollplex/prefix_hidden_frac"] == 0.0 and rollplex[2]["rollplex/prefix_hidden_frac"] > 0.0
+    trace = json.loads((tmp_path / "rollplex" / "traces" / "step_3.json").read_text())
     rows = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     slices = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert rows == {"driver", "rollout", "train"}
-    assert {"gen", "prefix(old,ref)", "prefix(actor)", "old_log_prob", "update_actor"} <= slices
+    assert {"gen", "reshare", "prefix(old)", "prefix(ref)", "prefix(actor)", "old_log_prob", "update_actor"} <= slices

@@ -261,6 +261,26 @@ class MemoryConfig:
 
     budget_gib: Optional[float] = None
     """Device bytes the residency plan may use per GPU, in GiB (None: ``cluster.gpu_memory_gib``)."""
+    train_strategy: str = "megatron"
+    """How actor/reference states are laid out: ``megatron`` (TP/PP shards, fp32 main grads per
+    model-parallel rank) or ``fsdp`` (ZeRO-3: everything sharded over all ranks)."""
+    distributed_optimizer: bool = True
+    """Megatron: shard fp32 master weights and Adam states over the data-parallel group."""
+    activation_recompute: str = "full"
+    """Activation checkpointing of the actor: ``none``, ``selective`` (attention core) or ``full``
+    (keep only each layer's input; Korthikanti et al. 2022)."""
+    pinned_host_offload: bool = True
+    """Let the residency plan move groups to pinned host memory between their uses (False: a group
+    stays on the device from its first to its last use)."""
+    reserved_gib: float = 0.0
+    """Device memory per GPU kept out of the plan (CUDA context, communication buffers), in GiB."""
+
+    def __post_init__(self) -> None:
+        if self.budget_gib is not None:
+            _check_positive("memory", "budget_gib", self.budget_gib)
+        _check_choice("memory", "train_strategy", self.train_strategy, ("megatron", "fsdp"))
+        _check_choice("memory", "activation_recompute", self.activation_recompute, ("none", "selective", "full"))
+        _check_positive("memory", "reserved_gib", self.reserved_gib, allow_zero=True)
 
 
 @dataclass(kw_only=True)
@@ -276,9 +296,14 @@ class ScheduleConfig:
     """How the phases of a step are placed in time."""
 
     name: str = "serial"
+    prefix_memory_gib: Optional[float] = None
+    """rollplex: most GiB of prefix state (KV caches, actor prefix activations) the planner may keep
+    alive from the decode window to the suffix passes (None: no limit)."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule", "name", self.name, SCHEDULES)
+        if self.prefix_memory_gib is not None:
+            _check_positive("schedule", "prefix_memory_gib", self.prefix_memory_gib, allow_zero=True)
 
 
 @dataclass(kw_only=True)

@@ -89,7 +89,8 @@ def create_worker_group(cfg: Config) -> WorkerGroup:
 
     threads = cfg.cluster.threads_per_worker or cfg.cluster.num_cpus or os.cpu_count() or 1
     opts = dict(num_cpus=0, num_gpus=cfg.cluster.num_gpus / 2 if cfg.cluster.num_gpus else 0)
-    rollout = ray.remote(RolloutWorker).options(name=None, **opts).remote(
+    # max_concurrency=2: a share change (set_threads) reaches the rollout worker while it decodes
+    rollout = ray.remote(RolloutWorker).options(max_concurrency=2, **opts).remote(
         cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size
     )
     train = ray.remote(TrainWorker).options(**opts).remote(

@@ -43,6 +43,7 @@ class RolloutWorker:
             engine, model_path=model.path, dtype=model.dtype,
             attn_implementation=model.attn_implementation, max_batch_size=max_batch_size,
         )
+        self.engine.set_compute_share(threads)  # calls may run on other threads than __init__
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams,
                  weights_version: Optional[int] = None) -> list[Response]:
@@ -62,8 +63,12 @@ class RolloutWorker:
         return self.engine.weights_version
 
     def set_threads(self, threads: int) -> None:
-        """This worker's share of the cores for the coming phase."""
-        torch.set_num_threads(threads)
+        """This worker's share of the cores from the next decode step on (this actor runs two calls
+        at once, so the planner can re-share while ``generate`` runs)."""
+        self.engine.set_compute_share(threads)
+
+    def decode_stats(self) -> dict[int, tuple[float, int]]:
+        return self.engine.decode_stats()
 
 
 class TrainWorker:

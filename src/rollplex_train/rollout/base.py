@@ -69,6 +69,18 @@ class RolloutEngine(abc.ABC):
             StaleWeightsError: ``version`` is not newer than the current one.
         """
 
+    def set_compute_share(self, threads: int) -> None:
+        """This engine's share of the device from now on: on CPU the torch threads of the decode
+        loop, applied from its next decode step (so a planner can re-share mid-window). May be
+        called from another thread than the one decoding. GPU engines map it to their MPS/stream
+        share or ignore it."""
+        self._compute_share = threads
+
+    def decode_stats(self) -> dict[int, tuple[float, int]]:
+        """Of the last ``generate``: ``{threads: (seconds, row_tokens)}``, the decode time spent at
+        each thread count and the sequence-tokens produced meanwhile (the cost model's input)."""
+        return dict(getattr(self, "_decode_stats", {}))
+
     @abc.abstractmethod
     def release_memory(self) -> None:
         """Free the engine's device memory (KV cache, and weights where the backend supports it)."""

@@ -13,6 +13,7 @@ temperature)`` before truncation, the distribution the actor recomputes.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional
 
 import torch
@@ -90,6 +91,7 @@ class BuiltinRolloutEngine(RolloutEngine):
                 f"request for weights version {weights_version}, engine holds version {self.weights_version}"
             )
         gen = torch.Generator().manual_seed(params.seed)
+        self._decode_stats = {}
         per_chunk = max(1, self.max_batch_size // params.n)
         out: list[Response] = []
         for start in range(0, len(prompts), per_chunk):
@@ -122,12 +124,25 @@ class BuiltinRolloutEngine(RolloutEngine):
         self._released = False
 
     # ---- decode ---------------------------------------------------------------------------------
+    def _account(self, since: float, rows: int) -> float:
+        """Charge the time since ``since`` and ``rows`` sequence-tokens to the current thread count,
+        then apply a pending share change (``set_compute_share``); returns the new tick."""
+        now = time.perf_counter()
+        threads = torch.get_num_threads()
+        seconds, tokens = self._decode_stats.get(threads, (0.0, 0))
+        self._decode_stats[threads] = (seconds + now - since, tokens + rows)
+        target = getattr(self, "_compute_share", None)
+        if target and target != threads:
+            torch.set_num_threads(target)
+        return time.perf_counter()
+
     @torch.no_grad()
     def _generate_chunk(self, prompts: list[PromptSample], params: SamplingParams,
                         gen: torch.Generator) -> list[Response]:
         from transformers import DynamicCache
 
         model, n = self.model, params.n
+        tick = self._account(time.perf_counter(), 0)  # applies a pending share change
         ids, mask = pad_prompts(prompts, self.pad_id, side="left")
         vision = VisionInputs.concat([p.vision for p in prompts])
         position_ids, deltas = rope_positions(model, ids, mask, vision)
@@ -147,6 +162,7 @@ class BuiltinRolloutEngine(RolloutEngine):
         finish = ["length"] * batch
         stop_strings = tuple(params.stop)
 
+        tick = self._account(tick, batch)  # the prefill is charged as the first token of each row
         for step in range(params.max_new_tokens):
             logits = model.lm_head(last_hidden).float()
             allowed = logits.index_fill(-1, self.suppressed_ids, float("-inf"))
@@ -187,6 +203,7 @@ class BuiltinRolloutEngine(RolloutEngine):
                               cache=cache, use_cache=True)
             last_hidden = out.last_hidden_state[:, -1]
             num_real = num_real + 1
+            tick = self._account(tick, len(alive))
 
         responses = []
         for seq in range(batch):

@@ -1,53 +1,164 @@
-"""The ``rollplex`` schedule: the step's prefix tasks run inside the rollout's decode window.
+"""The ``rollplex`` schedule: the phase planner moves prefix tasks into the rollout's decode window.
 
-While the rollout worker decodes, the training worker encodes the prefixes that do not depend on
-the responses — old-policy and reference KV caches for every prompt, and the actor prefix (with its
-autograd graph) for the prompts of the first PPO mini-batch — under the same weights version as the
-rollout (synchronous on-policy: both sides check it). The device is shared by core sets: during the
-window the decoder and the prefix encoder each get half of the worker threads, afterwards the
-training worker gets them all. The phases after decode are the serial ones, now running only the
-suffixes against the stored prefixes.
+Per step: build the task graph (``runtime/graph.py``), ask the planner (``runtime/planner.py``) for a
+placement under the cost model (``runtime/cost_model.py``), then drive it:
+
+1. set the device shares (decode / prefix threads) and start decoding;
+2. send the window's prefix tasks to the training worker in planned order (old-policy and
+   reference KV caches, first-mini-batch actor prefixes with their graph) under the rollout's
+   weights version — both workers check the version, so the update stays synchronous on-policy;
+3. as soon as the window's tasks are done, give the decoder the whole device back (mid-decode);
+4. after decode, run the movable tasks the planner left out on the whole device;
+5. feed the measured seconds (decode per thread count, prefix per role and thread count, the
+   re-share cost) back into the cost model.
+
+The phases after decode are the serial ones, now running only the suffixes against the stored
+prefixes.
 """
 
 from __future__ import annotations
 
+import time
+from collections import defaultdict
+
 import ray
 
 from rollplex_train.data.types import PromptSample
+from rollplex_train.runtime.cost_model import CostModel
+from rollplex_train.runtime.graph import build_step_graph
+from rollplex_train.runtime.planner import PhasePlanner, WindowPlan
 from rollplex_train.runtime.serial import SerialSchedule, sampling_params
+
+GIB = 1024**3
+
+
+def prefix_calls(task_names: list[str]) -> list[tuple[str, list[int]]]:
+    """Batch consecutive same-role prefix tasks (``prefix/<role>/g<i>``) into worker calls:
+    ``[(role, [group indices])]``, in task order."""
+    calls: list[tuple[str, list[int]]] = []
+    for name in task_names:
+        _, role, group = name.split("/")
+        if calls and calls[-1][0] == role:
+            calls[-1][1].append(int(group[1:]))
+        else:
+            calls.append((role, [int(group[1:])]))
+    return calls
 
 
 class RollplexSchedule(SerialSchedule):
-    """Serial phases, with prefix tasks moved into the decode window."""
+    """Serial phases after decode; prefix tasks placed by the phase planner."""
+
+    def __init__(self, cfg, workers, reward, pad_id):
+        super().__init__(cfg, workers, reward, pad_id)
+        self.cost = CostModel()
+        budget = cfg.schedule.prefix_memory_gib
+        self.planner = PhasePlanner(workers.threads, None if budget is None else int(budget * GIB))
+        self.response_tokens = cfg.rollout.n * cfg.rollout.max_new_tokens  # per group, until measured
+        self.bytes_per_token: dict[str, float] = {}
+        self.last_plan: WindowPlan | None = None
+
+    def _graph(self, prompts: list[PromptSample]):
+        cfg = self.cfg
+        mini = cfg.actor.ppo_mini_batch_size if cfg.actor.ppo_mini_batch_size > 0 else len(prompts)
+        return build_step_graph(
+            [p.prompt_length for p in prompts], self.response_tokens, mini_batch_groups=mini,
+            needs_reference=cfg.algorithm.needs_reference, weights_version=self.weights_version,
+            prefix_bytes_per_token=max(self.bytes_per_token.get("old", 0.0), self.bytes_per_token.get("ref", 0.0)),
+            actor_bytes_per_token=self.bytes_per_token.get("actor", 0.0),
+        )
+
+    def _reshare(self, rollout_threads: int, train_threads: int, t: dict[str, float]) -> None:
+        """Change the device shares; the round trip is the measured switching cost."""
+        with self.timeline.span("reshare", "driver", t):
+            begin = time.perf_counter()
+            self.workers.share_threads(rollout_threads, train_threads)
+            self.cost.observe_switch(time.perf_counter() - begin)
+
+    def _submit(self, prompts: list[PromptSample], calls: list[tuple[str, list[int]]]) -> list:
+        return [self.workers.train.precompute_prefixes.remote([prompts[i] for i in groups], [role], self.weights_version)
+                for role, groups in calls]
 
     def rollout_phase(self, prompts: list[PromptSample], step: int, t: dict[str, float]):
-        cfg, w = self.cfg, self.workers
-        mini = cfg.actor.ppo_mini_batch_size if cfg.actor.ppo_mini_batch_size > 0 else len(prompts)
-        roles = ["old"] + (["ref"] if cfg.algorithm.needs_reference else [])
-        tl = self.timeline
-        w.share_threads(*w.halves())  # (decode, prefix) threads inside the window
+        w, tl, total = self.workers, self.timeline, self.workers.threads
+        plan = self.last_plan = self.planner.plan(self._graph(prompts), self.cost)
+        if plan.overlaps:
+            self._reshare(plan.decode_share, plan.train_share, t)
+        window: list = []
         with tl.span("gen", "rollout", t):
-            start = tl.now()
-            generated = w.rollout.generate.remote(prompts, sampling_params(cfg, step), self.weights_version)
-            prefix_tasks = [
-                w.train.precompute_prefixes.remote(prompts, roles, self.weights_version),
-                w.train.precompute_prefixes.remote(prompts[:mini], ["actor"], self.weights_version),
-            ]
+            gen_start = tl.now()
+            generated = w.rollout.generate.remote(prompts, sampling_params(self.cfg, step), self.weights_version)
+            window = self._submit(prompts, prefix_calls(plan.window_tasks)) if plan.overlaps else []
+            pending = list(window)
+            while pending:  # give the decoder the whole device back once the window's tasks are done
+                ready, _ = ray.wait([generated, *pending], num_returns=1)
+                if generated in ready:
+                    break
+                pending = [r for r in pending if r not in ready]
+            if plan.overlaps and not pending:
+                self._reshare(total, total, t)
             responses = ray.get(generated)
-            decode_s = tl.now() - start
-        with tl.span("prefix_exposed", "train", t):  # prefix work still running after decode ended
-            results = ray.get(prefix_tasks)
-        w.share_threads(w.threads, w.threads)
-        offset = start
-        for name, r in zip(("prefix(old,ref)", "prefix(actor)"), results):  # worker-side durations
-            tl.add(name, "train", offset, offset + r["prefix/seconds"])
-            offset += r["prefix/seconds"]
-        prefix_s = sum(r["prefix/seconds"] for r in results)
-        hidden_s = max(0.0, prefix_s - t["prefix_exposed"])
+            gen_end = tl.now()
+        if pending:
+            with tl.span("prefix_exposed", "train", t):  # window work that outlasted decode
+                ray.get(pending)
+            self._reshare(total, total, t)
+        with tl.span("prefix_after", "train", t):
+            after = ray.get(self._submit(prompts, prefix_calls(plan.after_tasks)))
+        results = ray.get(window) + after
+        self._observe(responses, results, ray.get(w.rollout.decode_stats.remote()), len(prompts))
+        return responses, self._metrics(plan, results, gen_start, gen_end, t)
+
+    def _observe(self, responses, results: list[dict], decode_stats: dict, num_groups: int) -> None:
+        """Update the cost model and the graph's size estimates with this step's measurements."""
+        for threads, (seconds, tokens) in decode_stats.items():
+            self.cost.observe("decode", tokens, threads, seconds)
+        held = 0.0
+        for r in results:
+            threads = int(r["prefix/threads"])
+            for role in ("old", "ref", "actor"):
+                if f"prefix/{role}/seconds" in r:
+                    tokens = int(r[f"prefix/{role}/tokens"])
+                    self.cost.observe(f"prefix/{role}", tokens, threads, r[f"prefix/{role}/seconds"])
+                    self.bytes_per_token[role] = max(0.0, r["prefix/bytes_held"] - held) / max(1, tokens)
+            held = r["prefix/bytes_held"]
+        self.response_tokens = max(1, round(sum(len(x.token_ids) for x in responses) / num_groups))
+
+    def _metrics(self, plan: WindowPlan, results: list[dict], gen_start: float, gen_end: float,
+                 t: dict[str, float]) -> dict[str, float]:
+        """Spans of the worker-side prefix tasks, hidden/idle fractions and the planner's numbers."""
+        tl = self.timeline
+        prefix_s = hidden_s = busy_in_window = 0.0
+        by_role: dict[str, float] = defaultdict(float)
+        for r in results:
+            start, end = r["prefix/start_time"] - tl.origin, r["prefix/end_time"] - tl.origin
+            roles = [k.split("/")[1] for k in r if k.endswith("/seconds") and k.count("/") == 2]
+            tl.add(f"prefix({','.join(roles)})", "train", start, end)
+            for role in roles:
+                by_role[role] += r[f"prefix/{role}/seconds"]
+            prefix_s += end - start
+            overlap = max(0.0, min(end, gen_end) - max(start, gen_start))
+            hidden_s += overlap
+            busy_in_window += overlap
+        decode_s = gen_end - gen_start
         metrics = {
             "rollplex/prefix_s": prefix_s,
             "rollplex/prefix_hidden_frac": hidden_s / prefix_s if prefix_s > 0 else 1.0,
-            "rollplex/decode_idle_frac": max(0.0, decode_s - prefix_s) / decode_s if decode_s > 0 else 0.0,
-            "prefix/bytes_held": results[-1]["prefix/bytes_held"],
+            "rollplex/decode_idle_frac": max(0.0, decode_s - busy_in_window) / decode_s if decode_s > 0 else 0.0,
+            "rollplex/window_tasks": float(len(plan.window_tasks)),
+            "rollplex/after_tasks": float(len(plan.after_tasks)),
+            "rollplex/window_bytes": float(plan.window_bytes),
+            "planner/decode_share": float(plan.decode_share),
+            "planner/train_share": float(plan.train_share),
+            "planner/profiling": float(plan.mode != "plan"),
+            "planner/actual_s": max(gen_end, *(r["prefix/end_time"] - tl.origin for r in results)) - gen_start
+            if results else decode_s,
+            "prefix/bytes_held": results[-1]["prefix/bytes_held"] if results else 0.0,
         }
-        return responses, metrics
+        metrics.update({f"timing_s/prefix_{role}": s for role, s in by_role.items()})
+        metrics.update(self.cost.metrics())
+        if plan.predicted_s is not None:
+            metrics["planner/predicted_s"] = plan.predicted_s
+            metrics["planner/predicted_no_overlap_s"] = plan.predicted_no_overlap_s
+        if self.cost.switch_s is not None:
+            metrics["planner/switch_s"] = self.cost.switch_s
+        return metrics

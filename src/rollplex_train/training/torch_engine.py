@@ -129,6 +129,12 @@ class TorchTrainEngine(TrainEngine):
                 autograd graph, for the first mini-batch of the next update).
             weights_version: the version the caller expects (the rollout's).
 
+        Returns:
+            ``prefix/<role>/seconds`` (wall time of that role's encoding), ``prefix/<role>/tokens``
+            (prompt tokens encoded), ``prefix/start_time``/``prefix/end_time`` (``time.perf_counter``
+            of this process: CLOCK_MONOTONIC, comparable with the driver's on one machine),
+            ``prefix/threads``, and ``prefix/bytes_held``/``prefix/num_states`` after the call.
+
         Raises:
             StalePrefixError: ``weights_version`` differs from this engine's.
             ValueError: a ``ref`` prefix without a reference model, or an unknown role.
@@ -137,12 +143,18 @@ class TorchTrainEngine(TrainEngine):
             raise StalePrefixError(f"prefix tasks for weights version {weights_version}, the actor holds "
                                    f"version {self.weights_version}")
         start = time.perf_counter()
+        out = {"prefix/start_time": start, "prefix/threads": float(torch.get_num_threads())}
         for role in roles:
             if role not in ("ref", "old", "actor") or (role == "ref" and self.ref is None):
                 raise ValueError(f"cannot precompute {role!r} prefixes (reference present: {self.ref is not None})")
+            begin = time.perf_counter()
             self._encode(prompts, role)
-        return {"prefix/bytes_held": float(self.prefixes.bytes_held), "prefix/num_states": float(len(self.prefixes)),
-                "prefix/seconds": time.perf_counter() - start}
+            out[f"prefix/{role}/seconds"] = time.perf_counter() - begin
+            out[f"prefix/{role}/tokens"] = float(sum(p.prompt_length for p in prompts))
+        out.update({"prefix/end_time": time.perf_counter(), "prefix/bytes_held": float(self.prefixes.bytes_held),
+                    "prefix/num_states": float(len(self.prefixes))})
+        out["prefix/seconds"] = out["prefix/end_time"] - start
+        return out
 
     def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """Split ``rows`` into micro-batches of at most ``micro_batch_size`` responses; with a shared

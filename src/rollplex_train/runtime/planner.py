@@ -1,0 +1,145 @@
+"""The phase planner: which prefix tasks run inside the decode window, and on what device share.
+
+Given the step graph, the cost model and the device (``total`` share units: threads on CPU), the
+planner compares placements and keeps the one with the shortest predicted time to the end of the
+prefix work:
+
+* **no overlap** — decode on the whole device, then every prefix task on the whole device;
+* **overlap at (d, c)** for every split ``d + c = total`` — decode on ``d`` units while the train
+  worker runs prefix tasks on ``c`` units; tasks are admitted in order of value (seconds they save
+  after decode per second they take in the window) while they fit the *decode time left* (the
+  overlap must end before decode does) and the *memory budget* (bytes of prefix state kept alive
+  until their suffix tasks run). When the admitted tasks are done the decoder gets the whole device
+  back for the rest of the window. Tasks not admitted run after decode on the whole device.
+
+Only movable tasks (prefix tasks under the rollout's weights version) are ever placed in the window.
+While the cost model lacks a measurement the planner returns a *profiling* plan: no overlap until
+decode and every prefix kind have a post-warm-up measurement on the whole device (two steps), then
+one step at the even split (measures both sides at the split), then planned steps.
+
+Pure Python: no Ray, no tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from rollplex_train.runtime.cost_model import CostModel
+from rollplex_train.runtime.graph import StepGraph, Task
+
+DEFAULT_SWITCH_S = 0.005
+"""Assumed cost of one re-share until it is measured (seconds)."""
+
+
+@dataclass
+class WindowPlan:
+    """Placement of the movable tasks for one decode window.
+
+    Attributes:
+        mode: ``plan`` (chosen by prediction), ``profile_serial`` or ``profile_split`` (calibration).
+        decode_share / train_share: device units (threads) of the rollout and train workers while
+            the window tasks run (``train_share == 0``: no overlap).
+        window_tasks: names of the tasks to run inside the window, in order.
+        after_tasks: movable tasks left for after decode (run on the whole device).
+        predicted_s: predicted seconds from decode start to the end of all movable work.
+        predicted_no_overlap_s: the same for the no-overlap placement (the planner's baseline).
+        window_bytes: prefix-state bytes the window tasks leave alive.
+        candidates: predicted seconds of every placement considered, by name.
+    """
+
+    mode: str
+    decode_share: int
+    train_share: int
+    window_tasks: list[str] = field(default_factory=list)
+    after_tasks: list[str] = field(default_factory=list)
+    predicted_s: Optional[float] = None
+    predicted_no_overlap_s: Optional[float] = None
+    window_bytes: int = 0
+    candidates: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def overlaps(self) -> bool:
+        return self.train_share > 0 and bool(self.window_tasks)
+
+
+class PhasePlanner:
+    """Places the movable tasks of a step graph into the decode window.
+
+    Args:
+        total_share: device units to divide (CPU threads of the colocated workers).
+        memory_budget_bytes: most prefix-state bytes the window may leave alive (None: no limit).
+    """
+
+    def __init__(self, total_share: int, memory_budget_bytes: Optional[int] = None):
+        if total_share < 1:
+            raise ValueError(f"total_share={total_share}: expected >= 1")
+        self.total = total_share
+        self.memory_budget_bytes = memory_budget_bytes
+
+    def plan(self, graph: StepGraph, cost: CostModel) -> WindowPlan:
+        """The placement for this step's decode window (see the module docstring)."""
+        movable = graph.movable()
+        names = [t.name for t in movable]
+        kinds = {t.kind for t in movable}
+        split = (max(1, (self.total + 1) // 2), self.total // 2)
+        if not movable:
+            return WindowPlan("plan", self.total, 0, [], [])
+        if not all(cost.calibrated(k, self.total) for k in ("decode", *kinds)):
+            return WindowPlan("profile_serial", self.total, 0, [], names)
+        if self.total > 1 and (not cost.known("decode", split[0]) or not all(cost.known(k, split[1]) for k in kinds)):
+            window = self._fit_memory(movable)
+            return WindowPlan("profile_split", split[0], split[1], [t.name for t in window],
+                              [n for n in names if n not in {t.name for t in window}],
+                              window_bytes=sum(t.creates_bytes for t in window))
+        decode_tokens = sum(t.tokens for t in graph.of_kind("decode"))
+        baseline = cost.seconds("decode", decode_tokens, self.total) + sum(
+            cost.seconds(t.kind, t.tokens, self.total) for t in movable)
+        best = WindowPlan("plan", self.total, 0, [], names, baseline, baseline)
+        best.candidates["no_overlap"] = baseline
+        for train_share in range(1, self.total):
+            plan = self._overlap(movable, decode_tokens, self.total - train_share, train_share, cost)
+            plan.predicted_no_overlap_s = baseline
+            best.candidates[f"overlap_{plan.decode_share}_{train_share}"] = plan.predicted_s
+            if plan.predicted_s < best.predicted_s:
+                best.__dict__.update({k: v for k, v in plan.__dict__.items() if k != "candidates"})
+        return best
+
+    def _fit_memory(self, tasks: list[Task]) -> list[Task]:
+        """The longest prefix of ``tasks`` whose state fits the memory budget."""
+        kept, held = [], 0
+        for t in tasks:
+            if self.memory_budget_bytes is not None and held + t.creates_bytes > self.memory_budget_bytes:
+                break
+            kept.append(t)
+            held += t.creates_bytes
+        return kept
+
+    def _overlap(self, movable: list[Task], decode_tokens: int, decode_share: int, train_share: int,
+                 cost: CostModel) -> WindowPlan:
+        """Greedy admission for one split; predicted time to the end of all movable work."""
+        decode_rate = cost.rate("decode", decode_share)
+        window_left = decode_tokens * decode_rate  # decode seconds at the split share
+        value = {t.name: cost.seconds(t.kind, t.tokens, self.total) / max(1e-12, cost.seconds(t.kind, t.tokens, train_share))
+                 for t in movable}
+        order = sorted(movable, key=lambda t: -value[t.name])  # stable: graph order among equals
+        admitted, held, overlap_s = [], 0, 0.0
+        for t in order:
+            s = cost.seconds(t.kind, t.tokens, train_share)
+            if overlap_s + s > window_left:
+                continue  # would outlast decode: exposed work is cheaper on the whole device
+            if self.memory_budget_bytes is not None and held + t.creates_bytes > self.memory_budget_bytes:
+                continue
+            admitted.append(t)
+            held += t.creates_bytes
+            overlap_s += s
+        switch_s = cost.switch_s if cost.switch_s is not None else DEFAULT_SWITCH_S
+        decoded = overlap_s / decode_rate  # tokens decoded during the overlap
+        rest = (decode_tokens - decoded) * cost.rate("decode", self.total)
+        done = {t.name for t in admitted}
+        after = [t for t in movable if t.name not in done]
+        predicted = overlap_s + (2 * switch_s if admitted else 0.0) + rest + sum(
+            cost.seconds(t.kind, t.tokens, self.total) for t in after)
+        admitted.sort(key=lambda t: list(movable).index(t))  # run in graph order: groups as decoded
+        return WindowPlan("plan", decode_share, train_share, [t.name for t in admitted],
+                          [t.name for t in after], predicted, None, held)

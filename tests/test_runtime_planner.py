@@ -1,0 +1,148 @@
+"""Task graph, cost model and phase planner: pure Python, no workers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rollplex_train.runtime.cost_model import CostModel, amdahl
+from rollplex_train.runtime.graph import StepGraph, Task, build_step_graph
+from rollplex_train.runtime.planner import PhasePlanner
+from rollplex_train.runtime.rollplex import prefix_calls
+
+
+def graph(num_groups=4, mini=2, ref=True, prompt=100, response=800, bytes_per_token=0.0):
+    return build_step_graph([prompt] * num_groups, response, mini_batch_groups=mini, needs_reference=ref,
+                            weights_version=3, prefix_bytes_per_token=bytes_per_token,
+                            actor_bytes_per_token=2 * bytes_per_token)
+
+
+def test_graph_structure_and_movable_tasks():
+    g = graph(num_groups=4, mini=2)
+    movable = {t.name for t in g.movable()}
+    # old and ref prefixes of every group; actor prefixes of the first mini-batch only
+    assert movable == {f"prefix/{r}/g{i}" for r in ("old", "ref") for i in range(4)} | {"prefix/actor/g0", "prefix/actor/g1"}
+    assert all(t.weights_version == 3 for t in g.movable())
+    assert g["suffix/ref/g2"].deps == ("decode/g2", "prefix/ref/g2")
+    assert set(g["update/mb0"].deps) >= {"adv", "prefix/actor/g0", "suffix/old/g1"}
+    assert "update/mb0" in g["update/mb1"].deps and g["sync"].deps == ("update/mb1",)
+    assert g["sync"].weights_version == 4
+    # no reference: no ref tasks at all
+    assert not [t for t in graph(ref=False) if t.role == "ref"]
+
+
+def test_graph_rejects_unknown_dependencies_and_duplicates():
+    g = StepGraph()
+    g.add(Task("a", "decode", "rollout"))
+    with pytest.raises(ValueError, match="unknown tasks"):
+        g.add(Task("b", "reward", "driver", deps=("missing",)))
+    with pytest.raises(ValueError, match="already"):
+        g.add(Task("a", "decode", "rollout"))
+    with pytest.raises(ValueError, match="no prompt groups"):
+        build_step_graph([], 10, mini_batch_groups=1, needs_reference=True, weights_version=0)
+
+
+def test_live_bytes_follow_producers_and_last_consumers():
+    g = graph(num_groups=2, mini=2, bytes_per_token=10.0)  # old/ref prefix 1000 B, actor 2000 B
+    done = ["prefix/old/g0", "prefix/ref/g0", "prefix/actor/g0"]
+    assert g.live_bytes(done) == 4000
+    assert g.live_bytes(done + ["decode/g0", "suffix/old/g0"]) == 3000  # suffix/old frees prefix/old
+    order = [t.name for t in g]  # insertion order is a topological order
+    assert g.live_bytes(order) == 0  # everything is freed by the end of the step
+    assert {t.name for t in g.ready_after([])} >= {"decode/g0", "prefix/old/g0"}
+
+
+def test_cost_model_fits_amdahl_from_two_thread_counts():
+    cost = CostModel(ema=1.0)
+    with pytest.raises(KeyError):
+        cost.rate("decode", 2)
+    cost.observe("decode", 1000, 1, 10.0)
+    assert cost.parallel_fraction("decode") == 0.5  # prior while one thread count is known
+    assert cost.seconds("decode", 1000, 2) == pytest.approx(10.0 * amdahl(2, 0.5))
+    cost.observe("decode", 1000, 2, 10.0 * amdahl(2, 0.8))
+    assert cost.parallel_fraction("decode") == pytest.approx(0.8)
+    assert cost.seconds("decode", 500, 4) == pytest.approx(5.0 * amdahl(4, 0.8))
+    cost = CostModel(ema=0.5)
+    cost.observe("prefix/ref", 100, 2, 9.0)  # warm-up: replaced by the next measurement
+    cost.observe("prefix/ref", 100, 2, 1.0)
+    assert cost.seconds("prefix/ref", 100, 2) == pytest.approx(1.0)
+    cost.observe("prefix/ref", 100, 2, 3.0)
+    assert cost.seconds("prefix/ref", 100, 2) == pytest.approx(2.0)
+    assert cost.metrics()["cost/prefix/ref@2"] == pytest.approx(2e4)  # microseconds per token
+
+
+def calibrated(decode_f=0.3, prefix_f=0.9, decode_rate=1e-3, prefix_rate=1e-3):
+    """A cost model measured at 1 and 2 threads with the given Amdahl fractions."""
+    cost = CostModel(ema=1.0)
+    for threads in (1, 2, 2):
+        cost.observe("decode", 10_000, threads, 10_000 * decode_rate * amdahl(threads, decode_f))
+        for role in ("old", "ref", "actor"):
+            cost.observe(f"prefix/{role}", 1000, threads, 1000 * prefix_rate * amdahl(threads, prefix_f))
+    cost.observe_switch(0.001)
+    return cost
+
+
+def test_planner_profiles_first_then_plans():
+    g, planner = graph(), PhasePlanner(2)
+    first = planner.plan(g, CostModel())
+    assert first.mode == "profile_serial" and not first.overlaps and len(first.after_tasks) == 10
+    cost = CostModel()
+    for _ in range(2):  # the first measurement is the warm-up: two are needed on the whole device
+        assert planner.plan(g, cost).mode == "profile_serial"
+        cost.observe("decode", 100, 2, 1.0)
+        for role in ("old", "ref", "actor"):
+            cost.observe(f"prefix/{role}", 100, 2, 1.0)
+    second = planner.plan(g, cost)
+    assert second.mode == "profile_split" and (second.decode_share, second.train_share) == (1, 1)
+    assert len(second.window_tasks) == 10
+    third = planner.plan(g, calibrated())
+    assert third.mode == "plan" and third.predicted_s is not None
+
+
+def test_planner_overlaps_when_decode_leaves_compute_idle():
+    g = graph(num_groups=4, response=8000)  # decode 32k tokens, prefix 1000 tokens
+    plan = PhasePlanner(2).plan(g, calibrated(decode_f=0.2, prefix_f=0.9))
+    assert plan.overlaps and (plan.decode_share, plan.train_share) == (1, 1)
+    assert len(plan.window_tasks) == 10 and plan.predicted_s < plan.predicted_no_overlap_s
+
+
+def test_planner_keeps_decode_on_the_whole_device_when_overlap_does_not_pay():
+    g = graph(num_groups=4, response=8000)
+    plan = PhasePlanner(2).plan(g, calibrated(decode_f=1.0, prefix_f=1.0))  # perfectly parallel: no gain
+    assert not plan.overlaps and plan.predicted_s == plan.predicted_no_overlap_s
+    assert plan.candidates["overlap_1_1"] >= plan.candidates["no_overlap"]
+
+
+def test_planner_never_outlasts_decode_or_the_memory_budget():
+    rng = random.Random(0)
+    for _ in range(200):
+        num_groups = rng.randint(1, 8)
+        g = build_step_graph([rng.randint(10, 500) for _ in range(num_groups)], rng.randint(10, 4000),
+                             mini_batch_groups=rng.randint(1, num_groups), needs_reference=rng.random() < 0.7,
+                             weights_version=0, prefix_bytes_per_token=rng.uniform(0, 100),
+                             actor_bytes_per_token=rng.uniform(0, 400))
+        total = rng.randint(1, 8)
+        budget = rng.choice([None, rng.randint(0, 200_000)])
+        cost = CostModel(ema=1.0)
+        for threads in [*range(1, total + 1), total]:  # the whole device twice (past warm-up)
+            cost.observe("decode", 1000, threads, amdahl(threads, rng.uniform(0, 1)))
+            for role in ("old", "ref", "actor"):
+                cost.observe(f"prefix/{role}", 1000, threads, rng.uniform(0.1, 3) * amdahl(threads, rng.uniform(0, 1)))
+        plan = PhasePlanner(total, budget).plan(g, cost)
+        window = [g[n] for n in plan.window_tasks]
+        assert all(t.movable for t in window)
+        assert sorted(plan.window_tasks + plan.after_tasks) == sorted(t.name for t in g.movable())
+        if budget is not None:
+            assert sum(t.creates_bytes for t in window) <= budget
+        if plan.overlaps:
+            decode_tokens = sum(t.tokens for t in g.of_kind("decode"))
+            window_s = sum(cost.seconds(t.kind, t.tokens, plan.train_share) for t in window)
+            assert window_s <= decode_tokens * cost.rate("decode", plan.decode_share) + 1e-9
+            assert plan.decode_share + plan.train_share == total
+        assert plan.predicted_s <= plan.predicted_no_overlap_s + 1e-12
+
+
+def test_prefix_calls_batch_consecutive_roles():
+    names = ["prefix/old/g0", "prefix/old/g1", "prefix/ref/g0", "prefix/actor/g0", "prefix/old/g2"]
+    assert prefix_calls(names) == [("old", [0, 1]), ("ref", [0]), ("actor", [0]), ("old", [2])]
