@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 def load_hf_config(model: "ModelConfig") -> "PretrainedConfig":
     """The architecture of ``model``: ``model.hf_config`` if set, else ``model.path/config.json``.
 
+    A relative path is taken from the working directory, else from the repository root (so the
+    shipped ``conf/hf/*.json`` resolve from anywhere in an editable install).
+
     Returns:
         a transformers ``PretrainedConfig`` of the checkpoint's ``model_type``.
 
@@ -32,6 +35,9 @@ def load_hf_config(model: "ModelConfig") -> "PretrainedConfig":
     from transformers import AutoConfig
 
     path = Path(model.hf_config) if model.hf_config else Path(model.path) / "config.json"
+    repo_root = Path(__file__).resolve().parents[3]
+    if not path.is_file() and not path.is_absolute() and (repo_root / path).is_file():
+        path = repo_root / path  # e.g. conf/hf/*.json from outside the repository
     if not path.is_file():
         raise FileNotFoundError(
             f"model.hf_config / model.path: no architecture file at {path}; set model.hf_config to a config.json"

@@ -1,0 +1,314 @@
+"""Analytical memory model of one GRPO step, per GPU, from a HF config, a parallel layout and a batch.
+
+Everything here is arithmetic on integers (bytes); nothing is allocated. Sizes are per GPU of the
+colocated group. Legend: P parameters, L decoder layers, h hidden size, i MLP intermediate size,
+h_kv = kv_heads * head_dim, V vocabulary, t tensor-parallel degree, p pipeline degree, d data-parallel
+degree (``num_gpus / (t * p)``), T tokens, bf16 = 2 bytes, fp32 = 4 bytes.
+
+Sources:
+- Training states under Megatron's distributed optimizer: Megatron-LM
+  ``docs/source/api-guide/dist_optimizer.md`` (bf16 params and fp32 main grads per model-parallel
+  rank, fp32 master params and Adam m/v sharded over the data-parallel group: 6 + 12/d bytes/param).
+- Training states under FSDP / ZeRO-3: Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward
+  Training Trillion Parameter Models" (2 + 2 + 12 bytes/param, all partitioned over N ranks);
+  Zhao et al. 2023, "PyTorch FSDP" (bf16 compute copies of one gathered unit at a time, plus the
+  prefetched next unit).
+- Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models", eq. (1)-(5): per layer ``s*b*h*(34 + 5*a*s/h)`` bytes, divided by t with tensor and
+  sequence parallelism, ``2*s*b*h*L/t`` with full recomputation. Re-derived here for Qwen2.5's
+  block (RMSNorm, GQA, SwiGLU, no dropout, flash attention) — see :func:`layer_activation_bytes_per_token`.
+- KV cache: 2 (K and V) * L * kv_heads * head_dim * bytes per token; kv heads split over TP ranks,
+  replicated when t > kv_heads (vLLM / Megatron GQA rule).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollplex_train.config import Config
+
+GIB = 1024**3
+BF16 = 2
+FP32 = 4
+RECOMPUTE_MODES = ("none", "selective", "full")
+STRATEGIES = ("megatron", "fsdp")
+
+
+@dataclass(frozen=True)
+class TransformerDims:
+    """The dimensions of one transformer stack (the LLM or the vision tower).
+
+    Attributes:
+        layers, hidden, intermediate, heads, kv_heads, head_dim: as in the HF config.
+        vocab: vocabulary size (0 for the vision tower).
+        tied_embeddings: the LM head shares the embedding matrix.
+        qkv_bias: q/k/v projections carry a bias (Qwen2 LLM); ``fused_qkv`` one qkv Linear with bias
+            and an output projection with bias (Qwen2.5-VL vision blocks).
+    """
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int = 0
+    tied_embeddings: bool = False
+    fused_qkv: bool = False
+
+    @property
+    def kv_width(self) -> int:
+        """h_kv = kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
+
+
+def text_dims(hf_config: Any) -> TransformerDims:
+    """The LLM dimensions of a Qwen2-VL/Qwen2.5-VL (or plain causal-LM) ``PretrainedConfig``."""
+    text = hf_config.get_text_config()
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    return TransformerDims(layers=text.num_hidden_layers, hidden=text.hidden_size, intermediate=text.intermediate_size,
+                           heads=text.num_attention_heads, kv_heads=text.num_key_value_heads, head_dim=head_dim,
+                           vocab=text.vocab_size, tied_embeddings=tied)
+
+
+def vision_dims(hf_config: Any) -> TransformerDims:
+    """The vision tower's dimensions (MHA: kv_heads = heads)."""
+    v = hf_config.vision_config
+    return TransformerDims(layers=v.depth, hidden=v.hidden_size, intermediate=v.intermediate_size, heads=v.num_heads,
+                           kv_heads=v.num_heads, head_dim=v.hidden_size // v.num_heads, fused_qkv=True)
+
+
+def llm_parameters(d: TransformerDims) -> int:
+    """Parameters of a Qwen2 decoder: per layer q/k/v (with bias), o (no bias), SwiGLU gate/up/down
+    (no bias), two RMSNorm weights; plus embedding, final norm and an untied LM head.
+
+    ``L*(h*(h + 2*h_kv) + h + 2*h_kv + h*h + 3*h*i + 2*h) + V*h*(1 or 2) + h``.
+    """
+    attn = d.hidden * (d.hidden + 2 * d.kv_width) + d.hidden + 2 * d.kv_width + d.hidden * d.hidden
+    per_layer = attn + 3 * d.hidden * d.intermediate + 2 * d.hidden
+    embeddings = d.vocab * d.hidden * (1 if d.tied_embeddings else 2)
+    return d.layers * per_layer + embeddings + d.hidden
+
+
+def vision_parameters(hf_config: Any) -> int:
+    """Parameters of the Qwen2.5-VL vision tower: Conv3d patch embedding (3*t_patch*p*p*h, no bias),
+    per block a fused qkv (3h*h + 3h), proj (h*h + h), SwiGLU with biases (3*h*i + 2*i + h) and two
+    RMSNorms (2h); the patch merger: RMSNorm (h), Linear(4h, 4h) and Linear(4h, out_hidden) with biases.
+    """
+    v = hf_config.vision_config
+    d = vision_dims(hf_config)
+    h, i, m = d.hidden, d.intermediate, 4 * d.hidden  # m: merged width (spatial_merge_size**2 * h)
+    assert v.spatial_merge_size == 2, "merger width assumes 2x2 spatial merging"
+    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2 * h
+    block = (3 * h * h + 3 * h) + (h * h + h) + (3 * h * i + 2 * i + h) + 2 * h
+    merger = h + (m * m + m) + (m * v.out_hidden_size + v.out_hidden_size)
+    return patch + d.layers * block + merger
+
+
+def total_parameters(hf_config: Any) -> int:
+    """LLM + vision tower parameters (Qwen2.5-VL-7B: 8,292,166,656; 32B: 33,452,718,336)."""
+    return llm_parameters(text_dims(hf_config)) + vision_parameters(hf_config)
+
+
+def kv_bytes_per_token(d: TransformerDims, tp: int, dtype_bytes: int = BF16) -> int:
+    """KV-cache bytes one token occupies on one TP rank: ``2 * L * ceil-div heads * head_dim * bytes``.
+
+    The kv heads are split over the t ranks; when t > kv_heads each rank keeps one (replicated) head.
+    Qwen2.5-VL-32B, bf16: 2*64*8*128*2 = 262,144 B/token at t=1, 65,536 at t=4.
+    """
+    heads_per_rank = max(1, d.kv_heads // tp)
+    return 2 * d.layers * heads_per_rank * d.head_dim * dtype_bytes
+
+
+def layer_activation_bytes_per_token(d: TransformerDims, recompute: str, attention_scores: bool = False,
+                                     seq_len: int = 0) -> float:
+    """Bytes one token keeps alive for backward in one transformer block, before TP division.
+
+    Korthikanti et al. 2022 count, per layer and per token (bf16, with dropout, GeLU MLP of width 4h):
+    attention 11h + 5*a*s, MLP 19h, two LayerNorms 4h = ``h*(34 + 5*a*s/h)``. The same bookkeeping for
+    a Qwen2.5 block (no dropout, RMSNorm, GQA, SwiGLU ``down(silu(gate(x)) * up(x))``):
+
+    - two RMSNorm inputs: 4h
+    - attention: q/k/v input 2h, Q 2h, K and V 4*h_kv, o_proj input (the attention output) 2h
+    - MLP: gate/up input 2h; gate output, silu(gate), up output, down input: 8i
+    - attention scores: 5*a*s per token only without flash attention (``attention_scores=True``,
+      Korthikanti's term); flash attention (Dao et al. 2022) recomputes them and keeps O(s) statistics.
+
+    Total ``12h + 4h_kv + 8i`` (+ ``5*a*s``). With h_kv = h and i = 4h it is 48h (GeLU: 32h without
+    dropout; SwiGLU keeps three i-wide tensors instead of two). ``recompute``:
+
+    - ``none``: the total above.
+    - ``selective`` (Korthikanti §4.2): drop the attention-score term (recomputed); equals ``none``
+      with flash attention.
+    - ``full`` (Korthikanti eq. 5): only the block input, 2h.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"memory.activation_recompute={recompute!r}: expected one of {list(RECOMPUTE_MODES)}")
+    if recompute == "full":
+        return 2.0 * d.hidden
+    full = 12 * d.hidden + 4 * d.kv_width + 8 * d.intermediate
+    if attention_scores and recompute == "none":
+        full += 5 * d.heads * seq_len
+    return float(full)
+
+
+def stack_activation_bytes(d: TransformerDims, tokens: int, tp: int, recompute: str,
+                           working_layer: bool = True, elem_bytes: int = BF16) -> int:
+    """Activations of a whole stack for ``tokens`` tokens on one TP rank (sequence parallel: /t).
+
+    ``L * tokens * per_layer / t``; with full recompute and ``working_layer`` add one layer's
+    un-recomputed activations (the working set while that layer's backward re-runs its forward;
+    leave it out for activations that are only held, e.g. a prefix graph waiting for its backward).
+    ``elem_bytes``: activation dtype (the per-layer counts are for 2-byte elements; fp32 doubles them).
+    """
+    per_layer = layer_activation_bytes_per_token(d, recompute)
+    total = d.layers * tokens * per_layer
+    if recompute == "full" and working_layer:
+        total += tokens * layer_activation_bytes_per_token(d, "none")
+    return int(math.ceil(total * elem_bytes / BF16 / tp))
+
+
+def logits_bytes_per_token(d: TransformerDims, tp: int, elem_bytes: int = BF16) -> int:
+    """Logits of one token on one rank: the LM head's output (``elem_bytes``, bf16) and its fp32 copy
+    for log-softmax (kept for backward), vocabulary-parallel over t ranks: ``ceil(V/t) * (2 + 4)``."""
+    return math.ceil(d.vocab / tp) * (elem_bytes + FP32)
+
+
+def training_state_bytes(num_params: int, *, strategy: str, tp: int, pp: int, dp: int, distributed_optimizer: bool,
+                         largest_layer_params: int = 0, param_bytes: int = BF16) -> dict[str, int]:
+    """Per-GPU bytes of the actor's training states: ``weights`` (bf16), ``grads``, ``master`` (fp32
+    copy), ``optimizer`` (Adam m and v, fp32). With ``param_bytes=4`` (fp32 training, the CPU run)
+    the weights are their own master copy: ``master`` is 0 and ``weights`` 4 bytes/param.
+
+    - ``megatron``: weights 2P/(t*p), fp32 main grads 4P/(t*p); master 4P and Adam 8P divided by
+      t*p, and by d as well with the distributed optimizer (Megatron dist_optimizer.md).
+    - ``fsdp`` (ZeRO-3): master 4P, grads 4P and Adam 8P all divided by N = t*p*d; the bf16 weights
+      are the all-gathered units alive at a time: the current and the prefetched one,
+      ``2 * 2 * largest_layer_params / t``.
+
+    Raises:
+        ValueError: unknown strategy.
+    """
+    mp = tp * pp
+    master = 0 if param_bytes == FP32 else FP32
+    if strategy == "megatron":
+        shard = mp * dp if distributed_optimizer else mp
+        return {"weights": param_bytes * num_params // mp, "grads": FP32 * num_params // mp,
+                "master": master * num_params // shard, "optimizer": 2 * FP32 * num_params // shard}
+    if strategy == "fsdp":
+        n = mp * dp
+        return {"weights": 2 * param_bytes * largest_layer_params // tp, "grads": FP32 * num_params // n,
+                "master": max(master, param_bytes) * num_params // n, "optimizer": 2 * FP32 * num_params // n}
+    raise ValueError(f"memory.train_strategy={strategy!r}: expected one of {list(STRATEGIES)}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel layout of the colocated group.
+
+    Attributes:
+        num_gpus: GPUs of the run. actor_tp, actor_pp: actor/reference degrees; actor_dp =
+            num_gpus / (actor_tp * actor_pp). rollout_tp: TP of each rollout engine; engines =
+            num_gpus / rollout_tp.
+    """
+
+    num_gpus: int
+    actor_tp: int
+    actor_pp: int
+    rollout_tp: int
+
+    def __post_init__(self) -> None:
+        if self.num_gpus <= 0:
+            raise ValueError(f"cluster.num_gpus={self.num_gpus}: the memory plan is per GPU, expected > 0")
+        if self.num_gpus % (self.actor_tp * self.actor_pp):
+            raise ValueError(f"cluster.num_gpus={self.num_gpus} is not a multiple of actor.tensor_parallel_size"
+                             f" * actor.pipeline_parallel_size = {self.actor_tp * self.actor_pp}")
+        if self.num_gpus % self.rollout_tp:
+            raise ValueError(f"cluster.num_gpus={self.num_gpus} is not a multiple of rollout.tensor_parallel_size"
+                             f"={self.rollout_tp}")
+
+    @property
+    def actor_dp(self) -> int:
+        return self.num_gpus // (self.actor_tp * self.actor_pp)
+
+    @property
+    def rollout_engines(self) -> int:
+        return self.num_gpus // self.rollout_tp
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The step's batch, as the memory model sees it (upper bounds: buffers are sized for them).
+
+    Attributes:
+        prompts: prompts per step; n: responses per prompt; prompt_tokens: tokens per prompt
+            (``data.max_prompt_length``, vision tokens included); response_tokens:
+            ``rollout.max_new_tokens``; vision_patches: vision-tower tokens per prompt (before the
+            2x2 merge); mini_batch_prompts: prompts per optimizer step; micro_groups: groups per
+            forward/backward (shared prefix: micro-batches hold whole groups).
+    """
+
+    prompts: int
+    n: int
+    prompt_tokens: int
+    response_tokens: int
+    vision_patches: int
+    mini_batch_prompts: int
+    micro_groups: int
+
+    @property
+    def vision_tokens(self) -> int:
+        return self.vision_patches // 4
+
+
+def vision_patches_per_prompt(cfg: "Config", hf_config: Any) -> int:
+    """Vision-tower tokens of the largest prompt: one image at ``data.max_pixels`` or one video of
+    ``data.video_max_frames`` frames at ``data.video_max_pixels``, whichever is larger.
+
+    An image gives ``max_pixels / patch**2`` patches (one temporal step); a video
+    ``ceil(frames / temporal_patch) * video_max_pixels / patch**2`` (Qwen2-VL smart_resize keeps
+    the pixel count at most the bound, rounded to 28x28 blocks).
+    """
+    v = hf_config.vision_config
+    area = v.patch_size**2
+    block = (v.patch_size * v.spatial_merge_size) ** 2
+    image = (cfg.data.max_pixels // block) * block // area
+    steps = math.ceil(cfg.data.video_max_frames / v.temporal_patch_size)
+    video = steps * (cfg.data.video_max_pixels // block) * block // area
+    return max(image, video)
+
+
+def batch_shape(cfg: "Config", hf_config: Any) -> BatchShape:
+    """The batch of ``cfg`` (see :class:`BatchShape`).
+
+    Raises:
+        ValueError: the largest vision input alone exceeds ``data.max_prompt_length``.
+    """
+    patches = vision_patches_per_prompt(cfg, hf_config)
+    if patches // 4 > cfg.data.max_prompt_length:
+        raise ValueError(f"data.max_prompt_length={cfg.data.max_prompt_length} is below the {patches // 4} vision "
+                         "tokens of the largest image/video: every such prompt would be skipped")
+    mini = cfg.actor.ppo_mini_batch_size if cfg.actor.ppo_mini_batch_size > 0 else cfg.data.rollout_batch_size
+    return BatchShape(prompts=cfg.data.rollout_batch_size, n=cfg.rollout.n, prompt_tokens=cfg.data.max_prompt_length,
+                      response_tokens=cfg.rollout.max_new_tokens, vision_patches=patches, mini_batch_prompts=mini,
+                      micro_groups=max(1, cfg.actor.micro_batch_size // cfg.rollout.n))
+
+
+def param_bytes_of(cfg: "Config") -> int:
+    """Bytes per parameter (and per KV/activation element) of ``model.dtype``."""
+    return FP32 if cfg.model.dtype == "float32" else BF16
+
+
+def layout_of(cfg: "Config") -> Layout:
+    """The :class:`Layout` of ``cfg`` (``cluster.num_gpus``, actor/rollout TP and PP degrees)."""
+    return Layout(num_gpus=cfg.cluster.num_gpus, actor_tp=cfg.actor.tensor_parallel_size,
+                  actor_pp=cfg.actor.pipeline_parallel_size, rollout_tp=cfg.rollout.tensor_parallel_size)
+
+
+def per_rank(count: int, ranks: int) -> int:
+    """``ceil(count / ranks)``: items one rank holds when ``count`` items are spread over ``ranks``."""
+    return -(-count // ranks)
