@@ -289,6 +289,15 @@ class SharingConfig:
 
     enabled: bool = True
     """Hand rollout weights over as views of the training shards (IPC handles) where layouts allow."""
+    split_qkv: bool = False
+    """Rollout side keeps q, k, v as three tensors grouped by KV head, ``(kv groups of the rank, rows
+    per group, hidden)``, computed with one batched matmul each: with it every qkv shard of a
+    Megatron training rank (per-group interleaved) is a (strided) view. False: SGLang's fused
+    ``[q_i; k_i; v_i]``, a local rebuild whenever a rank holds more than one KV group."""
+    split_gate_up: bool = False
+    """Rollout side keeps ``gate_proj`` and ``up_proj`` as two tensors: with it every r >= t MLP shard
+    is a view of the training rank's ``[gate; up]`` fc1. False: SGLang's merged ``gate_up_proj``,
+    a local rebuild when r > t."""
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,145 @@
+"""Hand rollout tensors to another process as handles, with a shared weights-version counter.
+
+The sender pickles ``{name: tensor}`` with ``torch.multiprocessing``'s reductions
+(``multiprocessing.reduction.ForkingPickler``): a CUDA tensor becomes a CUDA IPC handle, a CPU
+tensor a handle to shared memory. The receiver maps the same memory: no copy, and every later
+in-place write of the trainer (optimizer step on a viewed parameter, ``Materializer.sync`` into a
+rebuild buffer) is seen by the rollout engine. Views of one storage stay views of one storage on
+the other side (torch caches rebuilt storages by their shared-memory identity).
+
+CPU sharing strategy: ``file_descriptor``, not ``file_system``. With ``file_descriptor`` torch
+creates each segment with ``shm_open`` and unlinks its name at once; the segment lives only as
+open descriptors/mappings (passed over a Unix socket by ``multiprocessing.resource_sharer``), so it
+is freed when the last process holding it exits or drops it, and nothing can be left behind in
+``/dev/shm``, even after a crash. ``file_system`` keeps a named ``/dev/shm/torch_*`` file until the
+``torch_shm_manager`` daemon sees every client gone; a killed process can leak it. The costs of
+``file_descriptor``: one open descriptor per shared storage (well under ``ulimit -n`` for a model's
+~1200 parameters), and a payload must be loaded exactly once, while the sender is alive, by a
+process with the sender's ``multiprocessing`` authkey (children inherit it; ``set_authkey``).
+
+The version counter is a one-element int64 tensor in the same payload: the trainer sets it to -1
+(``begin_update``) before it writes weights in place and to the new version after (``publish``);
+the engine calls ``check(version)`` before decoding and refuses anything else with
+``StaleWeightsError``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing
+import pickle
+from typing import Optional
+
+import torch
+import torch.multiprocessing as tmp  # registers the tensor/storage reductions with ForkingPickler
+from multiprocessing.reduction import ForkingPickler
+
+from rollplex_train.rollout.base import StaleWeightsError
+
+log = logging.getLogger(__name__)
+
+SHARING_STRATEGY = "file_descriptor"
+UPDATING = -1
+"""Counter value while the trainer writes weights in place."""
+
+
+def use_sharing_strategy() -> None:
+    """Select ``file_descriptor`` for CPU tensors in this process (see the module docstring).
+
+    Raises:
+        RuntimeError: the platform lacks it (torch lists the strategies it has).
+    """
+    if SHARING_STRATEGY not in tmp.get_all_sharing_strategies():
+        raise RuntimeError(f"torch sharing strategy {SHARING_STRATEGY!r} unavailable: {tmp.get_all_sharing_strategies()}")
+    tmp.set_sharing_strategy(SHARING_STRATEGY)
+
+
+def set_authkey(key: bytes) -> None:
+    """Give this process the authkey of the process it exchanges CPU handles with (Ray actors)."""
+    multiprocessing.current_process().authkey = key
+
+
+class WeightsVersion:
+    """A weights-version counter both processes see: one int64 in shared memory.
+
+    Args:
+        tensor: the shared counter (receiving side); None makes a new one at version 0.
+    """
+
+    def __init__(self, tensor: Optional[torch.Tensor] = None):
+        if tensor is None:
+            tensor = torch.zeros(1, dtype=torch.int64)
+            tensor.share_memory_()
+        self.tensor = tensor
+
+    def read(self) -> int:
+        return int(self.tensor.item())
+
+    def begin_update(self) -> None:
+        """Mark the weights as being written: every ``check`` fails until ``publish``."""
+        self.tensor.fill_(UPDATING)
+
+    def publish(self, version: int) -> None:
+        """Declare the shared weights to be ``version``.
+
+        Raises:
+            StaleWeightsError: ``version`` is not newer than the last published one.
+        """
+        current = self.read()
+        if current != UPDATING and version <= current:
+            raise StaleWeightsError(f"weights version {version} is not newer than the published {current}")
+        self.tensor.fill_(version)
+
+    def check(self, expected: int) -> None:
+        """Raises StaleWeightsError unless the shared weights are ``expected`` (and not in flux)."""
+        current = self.read()
+        if current != expected:
+            state = "being updated" if current == UPDATING else f"version {current}"
+            raise StaleWeightsError(f"rollout wants weights version {expected}, shared weights are {state}")
+
+
+def export_handles(tensors: dict[str, torch.Tensor], version: WeightsVersion) -> bytes:
+    """Move ``tensors`` to shared memory (CPU; once, in place) and pickle handles to them.
+
+    Returns:
+        a payload for ``import_handles`` in one other process (handles, not data: a few KB).
+
+    Raises:
+        ValueError: a tensor is neither on CPU nor CUDA.
+    """
+    use_sharing_strategy()
+    for name, t in tensors.items():
+        if t.device.type == "cpu":
+            if not t.untyped_storage().is_shared():
+                t.share_memory_()
+        elif t.device.type != "cuda":
+            raise ValueError(f"{name}: cannot share a tensor on {t.device} across processes")
+    buf = io.BytesIO()
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump({"tensors": tensors, "version": version.tensor})
+    payload = buf.getvalue()
+    log.info("exported %d tensor handles (%d bytes of payload)", len(tensors), len(payload))
+    return payload
+
+
+class SharedWeights:
+    """The receiving side: tensors mapped from the sender's memory and the version counter."""
+
+    def __init__(self, payload: bytes):
+        use_sharing_strategy()
+        data = pickle.loads(payload)
+        self.tensors: dict[str, torch.Tensor] = data["tensors"]
+        self.version = WeightsVersion(data["version"])
+
+    def check(self, expected: int) -> None:
+        self.version.check(expected)
+
+    def close(self) -> None:
+        """Drop every mapping held here; the memory goes once the sender drops it too."""
+        self.tensors.clear()
+        self.version = None  # type: ignore[assignment]
+
+
+def import_handles(payload: bytes) -> SharedWeights:
+    """Map the tensors of an ``export_handles`` payload (load it exactly once)."""
+    return SharedWeights(payload)

@@ -1,0 +1,80 @@
+"""``rollplex-plan sharing`` on the 32B experiment: the last line and the acceptance shares."""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from rollplex_train.cli import conf_dir
+from rollplex_train.config import register_configs, to_config
+from rollplex_train.models.arch import load_hf_config, parameter_shapes
+from rollplex_train.models.layouts import Dims
+from rollplex_train.sharing.report import DEGREES, _pcts, layouts_of, report, share_totals
+
+LAST = re.compile(r"^sharing: t=(\d+) r=(\d+) view=([\d.]+)% rebuild=([\d.]+)% gather=([\d.]+)%$")
+
+
+def _config(*overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        return to_config(compose(config_name="config", overrides=["trainer.output_dir=/tmp/unused", *overrides]))
+
+
+@functools.lru_cache(maxsize=None)
+def _model_32b():
+    config = _config("+experiment=qwen25vl32b_embodied")
+    hf = load_hf_config(config.model)
+    return config, parameter_shapes(hf), Dims.from_hf_config(hf)
+
+
+def test_cli_ends_with_the_sharing_line_for_the_configured_degrees():
+    out = subprocess.run([sys.executable, "-c", "from rollplex_train.cli import plan_main; plan_main()", "sharing",
+                          "+experiment=qwen25vl32b_embodied"], capture_output=True, text=True, timeout=120, check=True)
+    match = LAST.match(out.stdout.rstrip("\n").splitlines()[-1])
+    assert match, out.stdout[-500:]
+    t, r, view, rebuild, gather = match.groups()
+    assert (t, r) == ("4", "4")  # actor / rollout TP of the experiment
+    # megatron's per-group [q_g k_g v_g] vs SGLang's [q_i k_i v_i]: two KV groups per rank -> qkv rebuilt
+    assert (view, rebuild, gather) == ("92.5", "7.5", "0.0")
+    assert float(view) + float(rebuild) + float(gather) == pytest.approx(100, abs=0.15)
+    assert len(re.findall(r"^ ?\d ? ?\d \|", out.stdout, re.M)) == 16  # the (t, r) table
+
+
+def test_configured_options_reach_the_last_line():
+    text = report(_config("+experiment=qwen25vl32b_embodied", "sharing.split_qkv=true",
+                          "sharing.split_gate_up=true", "rollout.tensor_parallel_size=8"))
+    assert text.splitlines()[-1] == "sharing: t=4 r=8 view=100.0% rebuild=0.0% gather=0.0%"
+
+
+def test_32b_acceptance_shares():
+    config, shapes, dims = _model_32b()
+    train, rollout = layouts_of(config)
+    assert (train, rollout) == ("megatron", "sglang")
+
+    def shares(t, r, split_qkv, split_gate_up):
+        return _pcts(share_totals(shapes, dims, t=t, r=r, train=train, rollout=rollout, split_qkv=split_qkv,
+                                  split_gate_up=split_gate_up, itemsize=2))
+
+    assert shares(8, 8, False, False)[0] >= 99.0  # one KV group per rank: only the vision qkv is rebuilt
+    for t in DEGREES:
+        assert shares(t, t, True, False)[0] == 100.0  # t = r: the per-group qkv split alone is enough
+        for r in DEGREES:
+            view, rebuild, gather, moved = shares(t, r, True, True)
+            if r >= t:
+                assert (view, rebuild, gather, moved) == (100.0, 0.0, 0.0, 0.0), (t, r)
+            else:  # a rollout rank needs t / r training shards: 1 - r / t of its bytes cross devices
+                assert gather > 99.9 and moved == pytest.approx(100 * (1 - r / t), abs=0.05)  # norms are local
+
+
+def test_embedded_run_pairs_hf_with_hf_and_shares_everything():
+    config = _config("+experiment=tiny_cpu")
+    assert layouts_of(config) == ("hf", "hf")
+    _, shapes, dims = _model_32b()
+    totals = share_totals(shapes, dims, t=1, r=1, train="hf", rollout="hf", split_qkv=False, split_gate_up=False,
+                          itemsize=2)
+    assert totals["view"] == sum(__import__("math").prod(s) for s in shapes.values()) * 2
