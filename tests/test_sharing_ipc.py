@@ -58,6 +58,7 @@ def test_two_processes_share_without_copy_and_refuse_stale():
     handed = dict(mat.tensors, **{"train." + VIEW: shards["model.language_model.layers.0.mlp.linear_fc1.weight"]})
     payload = export_handles(handed, version)
     assert len(payload) < 64 * 1024  # handles, not the ~0.9 MB of weights
+    assert _shm() - before == set()  # file_descriptor strategy: segments are unlinked at creation
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -127,7 +127,7 @@ def _merge(blocks: Iterable[Block]) -> tuple[Block, ...]:
 
 def _even(what: str, size: int, n: int) -> int:
     if size % n:
-        raise ValueError(f"tensor parallel size {n} does not divide {what} ({size})")
+        raise ValueError(f"TP {n} does not divide {what} ({size})")
     return size // n
 
 

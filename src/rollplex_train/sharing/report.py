@@ -73,7 +73,7 @@ def _cell(shapes, dims, t, r, train, rollout, options: bool, itemsize: int) -> s
         totals = share_totals(shapes, dims, t=t, r=r, train=train, rollout=rollout, split_qkv=options,
                               split_gate_up=options, itemsize=itemsize)
     except ValueError as err:
-        return f"{'n/a':>30}  " + str(err)[:40]
+        return f"n/a: {err}"
     view, rebuild, gather, moved = _pcts(totals)
     return f"{view:6.1f}% {rebuild:6.1f}% {gather:6.1f}% {moved:6.1f}%"
 
