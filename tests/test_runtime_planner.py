@@ -13,7 +13,8 @@ from rollplex_train.runtime.rollplex import prefix_calls
 
 
 def graph(num_groups=4, mini=2, ref=True, prompt=100, response=800, bytes_per_token=0.0):
-    return build_step_graph([prompt] * num_groups, response, mini_batch_groups=mini, needs_reference=ref,
+    return build_step_graph([prompt] * num_groups, response, decode_steps=response // 8, mini_batch_groups=mini,
+                            needs_reference=ref,
                             weights_version=3, prefix_bytes_per_token=bytes_per_token,
                             actor_bytes_per_token=2 * bytes_per_token)
 
@@ -40,7 +41,7 @@ def test_graph_rejects_unknown_dependencies_and_duplicates():
     with pytest.raises(ValueError, match="already"):
         g.add(Task("a", "decode", "rollout"))
     with pytest.raises(ValueError, match="no prompt groups"):
-        build_step_graph([], 10, mini_batch_groups=1, needs_reference=True, weights_version=0)
+        build_step_graph([], 10, decode_steps=2, mini_batch_groups=1, needs_reference=True, weights_version=0)
 
 
 def test_live_bytes_follow_producers_and_last_consumers():
@@ -76,7 +77,7 @@ def calibrated(decode_f=0.3, prefix_f=0.9, decode_rate=1e-3, prefix_rate=1e-3):
     """A cost model measured at 1 and 2 threads with the given Amdahl fractions."""
     cost = CostModel(ema=1.0)
     for threads in (1, 2, 2):
-        cost.observe("decode", 10_000, threads, 10_000 * decode_rate * amdahl(threads, decode_f))
+        cost.observe("decode", 1000, threads, 1000 * decode_rate * amdahl(threads, decode_f))
         for role in ("old", "ref", "actor"):
             cost.observe(f"prefix/{role}", 1000, threads, 1000 * prefix_rate * amdahl(threads, prefix_f))
     cost.observe_switch(0.001)
@@ -101,7 +102,7 @@ def test_planner_profiles_first_then_plans():
 
 
 def test_planner_overlaps_when_decode_leaves_compute_idle():
-    g = graph(num_groups=4, response=8000)  # decode 32k tokens, prefix 1000 tokens
+    g = graph(num_groups=4, response=8000)  # 1000 decode steps, prefix 1000 tokens
     plan = PhasePlanner(2).plan(g, calibrated(decode_f=0.2, prefix_f=0.9))
     assert plan.overlaps and (plan.decode_share, plan.train_share) == (1, 1)
     assert len(plan.window_tasks) == 10 and plan.predicted_s < plan.predicted_no_overlap_s
@@ -119,7 +120,7 @@ def test_planner_never_outlasts_decode_or_the_memory_budget():
     for _ in range(200):
         num_groups = rng.randint(1, 8)
         g = build_step_graph([rng.randint(10, 500) for _ in range(num_groups)], rng.randint(10, 4000),
-                             mini_batch_groups=rng.randint(1, num_groups), needs_reference=rng.random() < 0.7,
+                             decode_steps=rng.randint(1, 500), mini_batch_groups=rng.randint(1, num_groups), needs_reference=rng.random() < 0.7,
                              weights_version=0, prefix_bytes_per_token=rng.uniform(0, 100),
                              actor_bytes_per_token=rng.uniform(0, 400))
         total = rng.randint(1, 8)
@@ -136,9 +137,8 @@ def test_planner_never_outlasts_decode_or_the_memory_budget():
         if budget is not None:
             assert sum(t.creates_bytes for t in window) <= budget
         if plan.overlaps:
-            decode_tokens = sum(t.tokens for t in g.of_kind("decode"))
             window_s = sum(cost.seconds(t.kind, t.tokens, plan.train_share) for t in window)
-            assert window_s <= decode_tokens * cost.rate("decode", plan.decode_share) + 1e-9
+            assert window_s <= g.decode_steps * cost.rate("decode", plan.decode_share) + 1e-9
             assert plan.decode_share + plan.train_share == total
         assert plan.predicted_s <= plan.predicted_no_overlap_s + 1e-12
 

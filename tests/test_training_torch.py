@@ -294,19 +294,21 @@ def test_shared_prefix_engine_matches_full_sequence(tiny_ckpt_qwen25, rollout_ba
         assert m_split[key] == pytest.approx(m_full[key], rel=1e-5, abs=1e-7), key
 
 
-def test_precomputed_prefixes_give_the_same_step(tiny_ckpt_qwen25, rollout_batch):
-    """Prefix tasks run ahead (the decode-window work) change nothing in the results."""
+@pytest.mark.parametrize("mini,micro", [(1, 4), (3, 2)])
+def test_precomputed_prefixes_give_the_same_step(tiny_ckpt_qwen25, rollout_batch, mini, micro):
+    """Prefix tasks run ahead (the decode-window work) change nothing in the results — also when
+    one batched actor-prefix call spans several micro-batches (its graph is shared by them)."""
     algo = AlgorithmConfig(use_kl_loss=True, kl_coef=0.1)
     engines = [TorchTrainEngine(ModelConfig(path=str(tiny_ckpt_qwen25), shared_prefix=True),
-                                ActorConfig(lr=LR, micro_batch_size=4, ppo_mini_batch_size=1), algo, seed=1)
+                                ActorConfig(lr=LR, micro_batch_size=micro, ppo_mini_batch_size=mini), algo, seed=1)
                for _ in range(2)]
     plain, ahead = engines
     with pytest.raises(StalePrefixError):
         ahead.precompute_prefixes(rollout_batch.prompts, ["old"], weights_version=1)
-    first_group = rollout_batch.prompts[:1]  # only the first mini-batch's actor prefixes may run ahead
+    first_mini = rollout_batch.prompts[:mini]  # only the first mini-batch's actor prefixes may run ahead
     info = ahead.precompute_prefixes(rollout_batch.prompts, ["old", "ref"], weights_version=0)
-    ahead.precompute_prefixes(first_group, ["actor"], weights_version=0)
-    assert info["prefix/num_states"] == 6 and len(ahead.prefixes) == 7
+    ahead.precompute_prefixes(first_mini, ["actor"], weights_version=0)
+    assert info["prefix/num_states"] == 6 and len(ahead.prefixes) == 6 + mini
     results = []
     for engine in engines:
         old, _ = engine.compute_log_probs(rollout_batch, "actor")

@@ -251,6 +251,8 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _check_choice("cluster", "device_share", self.device_share, ("cores", "streams", "mps"))
+        if self.device_share != "cores" and self.num_gpus == 0:
+            raise ValueError(f"cluster.device_share={self.device_share!r} shares a GPU: it needs cluster.num_gpus > 0")
         if self.num_cpus is not None:
             _check_positive("cluster", "num_cpus", self.num_cpus)
 
@@ -274,6 +276,9 @@ class MemoryConfig:
     stays on the device from its first to its last use)."""
     reserved_gib: float = 0.0
     """Device memory per GPU kept out of the plan (CUDA context, communication buffers), in GiB."""
+    fused_kernels: bool = True
+    """Activations as fused kernels keep them (Megatron/TransformerEngine RMSNorm, RoPE, attention);
+    False: as eager transformers modules do (the torch engine, HF-model FSDP), which keep more."""
 
     def __post_init__(self) -> None:
         if self.budget_gib is not None:

@@ -17,6 +17,8 @@ K kv heads, D head dim, NL decoder layers.
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -25,6 +27,8 @@ import torch
 from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.models.sequence import logprobs_from_hidden, pad_prompts, prompt_columns, rope_positions
 
+
+_GRAPH_IDS = itertools.count()
 
 @dataclass
 class PrefixState:
@@ -38,6 +42,8 @@ class PrefixState:
         next_position: M-RoPE position id of response token 0 (same on the t/h/w axes).
         requires_grad: the tensors carry the prefix's autograd graph (actor training).
         saved_bytes: bytes of activations the autograd graph keeps alive (0 without grad).
+        graph_id: id of the batched forward that made it (states of one ``encode_prefix`` call
+            with grad share one autograd graph; None without grad).
     """
 
     uid: str
@@ -48,6 +54,7 @@ class PrefixState:
     next_position: int
     requires_grad: bool = False
     saved_bytes: int = 0
+    graph_id: Optional[int] = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -145,6 +152,7 @@ def encode_prefix(
         )
     states = []
     per_prompt_bytes = counter.bytes // max(len(prompts), 1)
+    graph_id = next(_GRAPH_IDS) if with_grad else None
     for i, p in enumerate(prompts):
         cols = prompt_columns(p.prompt_length, width, padding)
         last = cols.stop - 1
@@ -157,6 +165,7 @@ def encode_prefix(
             next_position=int(p.prompt_length + deltas[i, 0]),
             requires_grad=with_grad,
             saved_bytes=per_prompt_bytes if with_grad else 0,
+            graph_id=graph_id,
         ))
     return states
 

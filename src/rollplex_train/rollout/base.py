@@ -77,8 +77,9 @@ class RolloutEngine(abc.ABC):
         self._compute_share = threads
 
     def decode_stats(self) -> dict[int, tuple[float, int]]:
-        """Of the last ``generate``: ``{threads: (seconds, row_tokens)}``, the decode time spent at
-        each thread count and the sequence-tokens produced meanwhile (the cost model's input)."""
+        """Of the last ``generate``: ``{threads: (seconds, steps)}``, the decode time spent at each
+        thread count and the decode steps (prefill counted as one) taken meanwhile (the cost
+        model's input)."""
         return dict(getattr(self, "_decode_stats", {}))
 
     @abc.abstractmethod

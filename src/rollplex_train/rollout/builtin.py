@@ -124,13 +124,13 @@ class BuiltinRolloutEngine(RolloutEngine):
         self._released = False
 
     # ---- decode ---------------------------------------------------------------------------------
-    def _account(self, since: float, rows: int) -> float:
-        """Charge the time since ``since`` and ``rows`` sequence-tokens to the current thread count,
+    def _account(self, since: float, steps: int) -> float:
+        """Charge the time since ``since`` and ``steps`` decode steps to the current thread count,
         then apply a pending share change (``set_compute_share``); returns the new tick."""
         now = time.perf_counter()
         threads = torch.get_num_threads()
-        seconds, tokens = self._decode_stats.get(threads, (0.0, 0))
-        self._decode_stats[threads] = (seconds + now - since, tokens + rows)
+        seconds, done = self._decode_stats.get(threads, (0.0, 0))
+        self._decode_stats[threads] = (seconds + now - since, done + steps)
         target = getattr(self, "_compute_share", None)
         if target and target != threads:
             torch.set_num_threads(target)
@@ -162,7 +162,7 @@ class BuiltinRolloutEngine(RolloutEngine):
         finish = ["length"] * batch
         stop_strings = tuple(params.stop)
 
-        tick = self._account(tick, batch)  # the prefill is charged as the first token of each row
+        tick = self._account(tick, 1)  # the prefill is charged as the first step
         for step in range(params.max_new_tokens):
             logits = model.lm_head(last_hidden).float()
             allowed = logits.index_fill(-1, self.suppressed_ids, float("-inf"))
@@ -203,7 +203,7 @@ class BuiltinRolloutEngine(RolloutEngine):
                               cache=cache, use_cache=True)
             last_hidden = out.last_hidden_state[:, -1]
             num_real = num_real + 1
-            tick = self._account(tick, len(alive))
+            tick = self._account(tick, 1)
 
         responses = []
         for seq in range(batch):

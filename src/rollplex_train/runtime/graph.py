@@ -68,6 +68,9 @@ class StepGraph:
     """The tasks of one step by name, in insertion order (a valid topological order)."""
 
     tasks: dict[str, Task] = field(default_factory=dict)
+    decode_steps: int = 0
+    """Decode steps of the step's batched rollout (the window's length in steps: on small batches
+    a decode step costs about the same whatever the number of live rows)."""
 
     def add(self, task: Task) -> Task:
         """Add ``task``; its dependencies must already be in the graph.
@@ -110,7 +113,7 @@ class StepGraph:
         return sum(self.tasks[n].creates_bytes for n in finished if n not in freed)
 
 
-def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, mini_batch_groups: int,
+def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_steps: int, mini_batch_groups: int,
                      needs_reference: bool, weights_version: int, prefix_bytes_per_token: float = 0.0,
                      actor_bytes_per_token: float = 0.0) -> StepGraph:
     """The task graph of one step.
@@ -118,6 +121,7 @@ def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, mini_bat
     Args:
         prompt_tokens: per group, the prompt length in tokens (vision tokens included).
         response_tokens: expected response tokens per group (G responses together).
+        decode_steps: expected decode steps of the whole rollout (longest response, per chunk).
         mini_batch_groups: groups per PPO mini-batch (one optimizer step).
         needs_reference: KL to the reference is on (reference prefix/suffix tasks exist).
         weights_version: the rollout's weights version for this step.
@@ -131,7 +135,7 @@ def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, mini_bat
         raise ValueError("build_step_graph: no prompt groups")
     if mini_batch_groups < 1:
         raise ValueError(f"mini_batch_groups={mini_batch_groups}: expected >= 1")
-    g = StepGraph()
+    g = StepGraph(decode_steps=decode_steps)
     v = weights_version
     roles = ["old"] + (["ref"] if needs_reference else [])
     num_groups = len(prompt_tokens)

@@ -63,6 +63,13 @@ class WindowPlan:
         return self.train_share > 0 and bool(self.window_tasks)
 
 
+def run_order(tasks: list[Task]) -> list[str]:
+    """Names in the order the suffix passes consume them — old-policy, reference, then actor
+    prefixes, each by group — so consecutive tasks of one role batch into one worker call."""
+    rank = {"prefix/old": 0, "prefix/ref": 1, "prefix/actor": 2}
+    return [t.name for t in sorted(tasks, key=lambda t: (rank.get(t.kind, 3), t.group or 0))]
+
+
 class PhasePlanner:
     """Places the movable tasks of a step graph into the decode window.
 
@@ -80,25 +87,24 @@ class PhasePlanner:
     def plan(self, graph: StepGraph, cost: CostModel) -> WindowPlan:
         """The placement for this step's decode window (see the module docstring)."""
         movable = graph.movable()
-        names = [t.name for t in movable]
         kinds = {t.kind for t in movable}
         split = (max(1, (self.total + 1) // 2), self.total // 2)
         if not movable:
-            return WindowPlan("plan", self.total, 0, [], [])
+            return WindowPlan("plan", self.total, 0)
         if not all(cost.calibrated(k, self.total) for k in ("decode", *kinds)):
-            return WindowPlan("profile_serial", self.total, 0, [], names)
+            return WindowPlan("profile_serial", self.total, 0, [], run_order(movable))
         if self.total > 1 and (not cost.known("decode", split[0]) or not all(cost.known(k, split[1]) for k in kinds)):
             window = self._fit_memory(movable)
-            return WindowPlan("profile_split", split[0], split[1], [t.name for t in window],
-                              [n for n in names if n not in {t.name for t in window}],
+            return WindowPlan("profile_split", split[0], split[1], run_order(window),
+                              run_order([t for t in movable if t not in window]),
                               window_bytes=sum(t.creates_bytes for t in window))
-        decode_tokens = sum(t.tokens for t in graph.of_kind("decode"))
-        baseline = cost.seconds("decode", decode_tokens, self.total) + sum(
+        decode_steps = graph.decode_steps
+        baseline = cost.seconds("decode", decode_steps, self.total) + sum(
             cost.seconds(t.kind, t.tokens, self.total) for t in movable)
-        best = WindowPlan("plan", self.total, 0, [], names, baseline, baseline)
+        best = WindowPlan("plan", self.total, 0, [], run_order(movable), baseline, baseline)
         best.candidates["no_overlap"] = baseline
         for train_share in range(1, self.total):
-            plan = self._overlap(movable, decode_tokens, self.total - train_share, train_share, cost)
+            plan = self._overlap(movable, decode_steps, self.total - train_share, train_share, cost)
             plan.predicted_no_overlap_s = baseline
             best.candidates[f"overlap_{plan.decode_share}_{train_share}"] = plan.predicted_s
             if plan.predicted_s < best.predicted_s:
@@ -115,11 +121,11 @@ class PhasePlanner:
             held += t.creates_bytes
         return kept
 
-    def _overlap(self, movable: list[Task], decode_tokens: int, decode_share: int, train_share: int,
+    def _overlap(self, movable: list[Task], decode_steps: int, decode_share: int, train_share: int,
                  cost: CostModel) -> WindowPlan:
         """Greedy admission for one split; predicted time to the end of all movable work."""
         decode_rate = cost.rate("decode", decode_share)
-        window_left = decode_tokens * decode_rate  # decode seconds at the split share
+        window_left = decode_steps * decode_rate  # decode seconds at the split share
         value = {t.name: cost.seconds(t.kind, t.tokens, self.total) / max(1e-12, cost.seconds(t.kind, t.tokens, train_share))
                  for t in movable}
         order = sorted(movable, key=lambda t: -value[t.name])  # stable: graph order among equals
@@ -134,12 +140,11 @@ class PhasePlanner:
             held += t.creates_bytes
             overlap_s += s
         switch_s = cost.switch_s if cost.switch_s is not None else DEFAULT_SWITCH_S
-        decoded = overlap_s / decode_rate  # tokens decoded during the overlap
-        rest = (decode_tokens - decoded) * cost.rate("decode", self.total)
+        decoded = overlap_s / decode_rate  # steps decoded during the overlap
+        rest = (decode_steps - decoded) * cost.rate("decode", self.total)
         done = {t.name for t in admitted}
         after = [t for t in movable if t.name not in done]
         predicted = overlap_s + (2 * switch_s if admitted else 0.0) + rest + sum(
             cost.seconds(t.kind, t.tokens, self.total) for t in after)
-        admitted.sort(key=lambda t: list(movable).index(t))  # run in graph order: groups as decoded
-        return WindowPlan("plan", decode_share, train_share, [t.name for t in admitted],
-                          [t.name for t in after], predicted, None, held)
+        return WindowPlan("plan", decode_share, train_share, run_order(admitted), run_order(after),
+                          predicted, None, held)

@@ -54,6 +54,7 @@ class RollplexSchedule(SerialSchedule):
         budget = cfg.schedule.prefix_memory_gib
         self.planner = PhasePlanner(workers.threads, None if budget is None else int(budget * GIB))
         self.response_tokens = cfg.rollout.n * cfg.rollout.max_new_tokens  # per group, until measured
+        self.decode_steps = cfg.rollout.max_new_tokens  # of the whole rollout, until measured
         self.bytes_per_token: dict[str, float] = {}
         self.last_plan: WindowPlan | None = None
 
@@ -61,7 +62,8 @@ class RollplexSchedule(SerialSchedule):
         cfg = self.cfg
         mini = cfg.actor.ppo_mini_batch_size if cfg.actor.ppo_mini_batch_size > 0 else len(prompts)
         return build_step_graph(
-            [p.prompt_length for p in prompts], self.response_tokens, mini_batch_groups=mini,
+            [p.prompt_length for p in prompts], self.response_tokens, decode_steps=self.decode_steps,
+            mini_batch_groups=mini,
             needs_reference=cfg.algorithm.needs_reference, weights_version=self.weights_version,
             prefix_bytes_per_token=max(self.bytes_per_token.get("old", 0.0), self.bytes_per_token.get("ref", 0.0)),
             actor_bytes_per_token=self.bytes_per_token.get("actor", 0.0),
@@ -110,8 +112,9 @@ class RollplexSchedule(SerialSchedule):
 
     def _observe(self, responses, results: list[dict], decode_stats: dict, num_groups: int) -> None:
         """Update the cost model and the graph's size estimates with this step's measurements."""
-        for threads, (seconds, tokens) in decode_stats.items():
-            self.cost.observe("decode", tokens, threads, seconds)
+        for threads, (seconds, steps) in decode_stats.items():
+            self.cost.observe("decode", steps, threads, seconds)
+        self.decode_steps = max(1, sum(steps for _, steps in decode_stats.values()))
         held = 0.0
         for r in results:
             threads = int(r["prefix/threads"])

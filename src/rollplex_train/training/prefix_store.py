@@ -68,6 +68,11 @@ class PrefixStore:
         """True when the exact (uid, role, version) state is held."""
         return PrefixKey(uid, role, version) in self._states
 
+    def graph_id(self, uid: str, role: str, version: Version):
+        """The ``graph_id`` of the held state (None when absent or made without grad)."""
+        state = self._states.get(PrefixKey(uid, role, version))
+        return None if state is None else state.graph_id
+
     def release(self, uid: str, role: str, version: Version) -> int:
         """Free the state (drop the store's reference); returns the bytes it held (0 if absent)."""
         state = self._states.pop(PrefixKey(uid, role, version), None)

@@ -221,6 +221,18 @@ class TorchTrainEngine(TrainEngine):
         out["actor/lr"] = self.scheduler.get_last_lr()[0]
         return out
 
+    def _held_actor_graphs(self, batch: TrainBatch, micros: list[torch.Tensor]) -> list[set]:
+        """Per micro-batch, the graph ids of the precomputed actor prefixes it will consume (one
+        batched ``precompute_prefixes`` call may span several micro-batches)."""
+        if not self.model_cfg.shared_prefix:
+            return [set() for _ in micros]
+        out = []
+        for micro in micros:
+            uids = {batch.prompts[int(g)].uid for g in batch.group_index[micro].tolist()}
+            ids = {self.prefixes.graph_id(uid, "actor", self.param_version) for uid in uids}
+            out.append(ids - {None})
+        return out
+
     def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool,
                            temperature: float) -> dict[str, float]:
         cfg = self.cfg
@@ -228,7 +240,9 @@ class TorchTrainEngine(TrainEngine):
         metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0,
                    "actor/kl_loss": 0.0, "actor/entropy": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in self._micro_batches(batch, rows):
+        micros = self._micro_batches(batch, rows)
+        graphs = self._held_actor_graphs(batch, micros)
+        for i, micro in enumerate(micros):
             part, (logp, ent) = self._forward(self.actor, "actor", batch, micro, temperature, with_entropy=True)
             mask = part["response_mask"]
             weight = float(mask.sum()) / max(num_tokens, 1)  # token share of this micro-batch
@@ -249,7 +263,8 @@ class TorchTrainEngine(TrainEngine):
                              num_tokens=num_tokens, num_seqs=num_seqs)
                 metrics["actor/kl_loss"] += float(kl.detach())
                 loss = loss + self.algo.kl_coef * kl
-            loss.backward()
+            # a precomputed prefix graph shared with a later micro-batch must survive this backward
+            loss.backward(retain_graph=bool(graphs[i] & set().union(*graphs[i + 1:])))
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         if math.isfinite(grad_norm):
