@@ -125,7 +125,7 @@ def kv_bytes_per_token(d: TransformerDims, tp: int, dtype_bytes: int = BF16) -> 
 
 
 def layer_activation_bytes_per_token(d: TransformerDims, recompute: str, attention_scores: bool = False,
-                                     seq_len: int = 0) -> float:
+                                     seq_len: int = 0, fused: bool = True) -> float:
     """Bytes one token keeps alive for backward in one transformer block, before TP division.
 
     Korthikanti et al. 2022 count, per layer and per token (bf16, with dropout, GeLU MLP of width 4h):
@@ -139,7 +139,12 @@ def layer_activation_bytes_per_token(d: TransformerDims, recompute: str, attenti
       Korthikanti's term); flash attention (Dao et al. 2022) recomputes them and keeps O(s) statistics.
 
     Total ``12h + 4h_kv + 8i`` (+ ``5*a*s``). With h_kv = h and i = 4h it is 48h (GeLU: 32h without
-    dropout; SwiGLU keeps three i-wide tensors instead of two). ``recompute``:
+    dropout; SwiGLU keeps three i-wide tensors instead of two). That is what fused kernels keep
+    (Megatron/TransformerEngine RMSNorm, RoPE, attention). Eager transformers modules
+    (``fused=False``, the torch engine) keep more, per token and layer: each RMSNorm's normalised
+    input before the weight multiply (2 x 2h), RoPE's un-rotated q, k and their ``rotate_half``
+    copies (2 x (2h + 2h_kv)), and the attention output apart from its contiguous reshape for
+    o_proj (2h): ``+ 10h + 4h_kv``. ``recompute``:
 
     - ``none``: the total above.
     - ``selective`` (Korthikanti §4.2): drop the attention-score term (recomputed); equals ``none``
@@ -151,24 +156,27 @@ def layer_activation_bytes_per_token(d: TransformerDims, recompute: str, attenti
     if recompute == "full":
         return 2.0 * d.hidden
     full = 12 * d.hidden + 4 * d.kv_width + 8 * d.intermediate
+    if not fused:
+        full += 10 * d.hidden + 4 * d.kv_width
     if attention_scores and recompute == "none":
         full += 5 * d.heads * seq_len
     return float(full)
 
 
 def stack_activation_bytes(d: TransformerDims, tokens: int, tp: int, recompute: str,
-                           working_layer: bool = True, elem_bytes: int = BF16) -> int:
+                           working_layer: bool = True, elem_bytes: int = BF16, fused: bool = True) -> int:
     """Activations of a whole stack for ``tokens`` tokens on one TP rank (sequence parallel: /t).
 
     ``L * tokens * per_layer / t``; with full recompute and ``working_layer`` add one layer's
     un-recomputed activations (the working set while that layer's backward re-runs its forward;
     leave it out for activations that are only held, e.g. a prefix graph waiting for its backward).
     ``elem_bytes``: activation dtype (the per-layer counts are for 2-byte elements; fp32 doubles them).
+    ``fused``: see :func:`layer_activation_bytes_per_token`.
     """
-    per_layer = layer_activation_bytes_per_token(d, recompute)
+    per_layer = layer_activation_bytes_per_token(d, recompute, fused=fused)
     total = d.layers * tokens * per_layer
     if recompute == "full" and working_layer:
-        total += tokens * layer_activation_bytes_per_token(d, "none")
+        total += tokens * layer_activation_bytes_per_token(d, "none", fused=fused)
     return int(math.ceil(total * elem_bytes / BF16 / tp))
 
 
@@ -304,8 +312,9 @@ def param_bytes_of(cfg: "Config") -> int:
 
 
 def layout_of(cfg: "Config") -> Layout:
-    """The :class:`Layout` of ``cfg`` (``cluster.num_gpus``, actor/rollout TP and PP degrees)."""
-    return Layout(num_gpus=cfg.cluster.num_gpus, actor_tp=cfg.actor.tensor_parallel_size,
+    """The :class:`Layout` of ``cfg`` (``cluster.num_gpus``, actor/rollout TP and PP degrees);
+    ``cluster.num_gpus=0`` (the CPU run) is one device that holds everything."""
+    return Layout(num_gpus=max(1, cfg.cluster.num_gpus), actor_tp=cfg.actor.tensor_parallel_size,
                   actor_pp=cfg.actor.pipeline_parallel_size, rollout_tp=cfg.rollout.tensor_parallel_size)
 
 

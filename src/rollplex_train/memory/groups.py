@@ -102,7 +102,7 @@ def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorG
     rollplex = layout_name != "serial"  # naive colocation holds rollplex's prefix states, all resident
     shared = layout_name == "rollplex" and rollout_shares_actor_weights(cfg)
     in_window = ("rollout_decode",) if rollplex else ()
-    fsdp = mem.train_strategy == "fsdp"
+    fsdp, fused = mem.train_strategy == "fsdp", mem.fused_kernels
 
     prompts_rank = est.per_rank(batch.prompts, dp)
     first_mini_rank = est.per_rank(batch.mini_batch_prompts, dp)
@@ -116,9 +116,9 @@ def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorG
     def prefix_acts(prompts: int) -> int:  # saved for backward (no recompute working set)
         recompute = mem.activation_recompute
         llm = est.stack_activation_bytes(stage_text, prompts * batch.prompt_tokens, tp, recompute,
-                                         working_layer=False, elem_bytes=pbytes)
+                                         working_layer=False, elem_bytes=pbytes, fused=fused)
         vis = est.stack_activation_bytes(vision, prompts * batch.vision_patches, tp, recompute,
-                                         working_layer=False, elem_bytes=pbytes)
+                                         working_layer=False, elem_bytes=pbytes, fused=fused)
         return llm + train_vision * vis
 
     actor_users = ("old_log_prob", "actor_update", "optimizer_step", "weight_sync") + in_window
@@ -155,16 +155,16 @@ def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorG
                     kind="scratch", consumers=_ordered(in_window or ("old_log_prob", "ref_log_prob", "actor_update")),
                     note="merged vision embeddings of one prefix micro-batch"),
         TensorGroup("actor_activations", est.stack_activation_bytes(stage_text, micro_suffix, tp, mem.activation_recompute,
-                                                               elem_bytes=pbytes),
+                                                               elem_bytes=pbytes, fused=fused),
                     kind="scratch", consumers=("actor_update",),
                     note=f"suffix of {batch.micro_groups} group(s): {micro_suffix} tokens"),
         TensorGroup("forward_scratch", est.stack_activation_bytes(
-                        est.TransformerDims(**{**text.__dict__, "layers": 1}), micro_prefix + micro_suffix, tp, "none", elem_bytes=pbytes),
+                        est.TransformerDims(**{**text.__dict__, "layers": 1}), micro_prefix + micro_suffix, tp, "none", elem_bytes=pbytes, fused=fused),
                     kind="scratch", consumers=("rollout_decode", "old_log_prob", "ref_log_prob") if rollplex
                     else ("old_log_prob", "ref_log_prob"), note="one layer's activations of a no-grad pass"),
         TensorGroup("logits", micro_suffix * est.logits_bytes_per_token(text, tp, pbytes), kind="scratch",
                     consumers=("old_log_prob", "ref_log_prob", "actor_update"),
-                    note=f"{micro_suffix} tokens x V/t x (bf16 + fp32)"),
+                    note=f"{micro_suffix} tokens x V/t x ({cfg.model.dtype} + fp32)"),
     ]
     if mem.reserved_gib > 0:
         groups.append(TensorGroup("runtime_reserved", int(mem.reserved_gib * est.GIB), consumers=PHASES,

@@ -29,7 +29,9 @@ PREFIX_GROUPS = ("old_prefix_kv", "ref_prefix_kv", "actor_prefix_acts")
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / est.GIB:.1f}"
+    """GiB with one decimal (three significant digits below 1 GiB: the CPU runs)."""
+    gib = nbytes / est.GIB
+    return f"{gib:.1f}" if gib >= 1 or gib == 0 else f"{gib:.3g}"
 
 
 def budget_bytes(config: "Config") -> int:
