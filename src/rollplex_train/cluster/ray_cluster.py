@@ -81,7 +81,9 @@ def create_worker_group(cfg: Config) -> WorkerGroup:
     """Spawn one RolloutWorker and one TrainWorker and wait until both have loaded their models.
 
     The actors ask Ray for no CPU slot: they are colocated by design and share the cores through
-    their torch thread counts (the schedule decides who computes when).
+    their torch thread counts (the schedule decides who computes when). With ``sharing.enabled``
+    both get one fresh random multiprocessing authkey in their constructor: the shared-memory
+    handles of the weights are fetched from the train worker over a connection that checks it.
     """
     import ray
 
@@ -89,12 +91,13 @@ def create_worker_group(cfg: Config) -> WorkerGroup:
 
     threads = cfg.cluster.threads_per_worker or cfg.cluster.num_cpus or os.cpu_count() or 1
     opts = dict(num_cpus=0, num_gpus=cfg.cluster.num_gpus / 2 if cfg.cluster.num_gpus else 0)
+    authkey = os.urandom(32) if cfg.sharing.enabled else None
     # max_concurrency=2: a share change (set_threads) reaches the rollout worker while it decodes
     rollout = ray.remote(RolloutWorker).options(max_concurrency=2, **opts).remote(
-        cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size
+        cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size, authkey
     )
     train = ray.remote(TrainWorker).options(**opts).remote(
-        cfg.actor.backend, cfg.model, cfg.actor, cfg.algorithm, cfg.trainer.seed, threads
+        cfg.actor.backend, cfg.model, cfg.actor, cfg.algorithm, cfg.trainer.seed, threads, authkey
     )
     ray.get([rollout.weights_version.remote(), train.weights_version.remote()])
     return WorkerGroup(rollout=rollout, train=train, threads=threads)

@@ -20,13 +20,20 @@ from rollplex_train.rollout.base import SamplingParams, create_rollout_engine
 from rollplex_train.training.base import create_train_engine
 
 
-def _setup_process(threads: int) -> None:
+def _setup_process(threads: int, authkey: Optional[bytes] = None) -> None:
     import transformers
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     transformers.utils.logging.disable_progress_bar()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    if authkey is not None:
+        # Shared-memory handles (sharing/ipc.py, file_descriptor strategy) are fetched over a
+        # multiprocessing connection authenticated with this key: both workers of a group need the
+        # same one, and Ray starts each actor with its own random key.
+        from rollplex_train.sharing.ipc import set_authkey
+
+        set_authkey(authkey)
 
 
 class RolloutWorker:
@@ -35,10 +42,12 @@ class RolloutWorker:
     Args:
         engine: registered rollout engine name. model: checkpoint section. threads: torch threads.
         max_batch_size: most sequences decoded together.
+        authkey: the group's multiprocessing authkey (the TrainWorker's too) when weights are shared.
     """
 
-    def __init__(self, engine: str, model: ModelConfig, threads: int, max_batch_size: int):
-        _setup_process(threads)
+    def __init__(self, engine: str, model: ModelConfig, threads: int, max_batch_size: int,
+                 authkey: Optional[bytes] = None):
+        _setup_process(threads, authkey)
         self.engine = create_rollout_engine(
             engine, model_path=model.path, dtype=model.dtype,
             attn_implementation=model.attn_implementation, max_batch_size=max_batch_size,
@@ -49,9 +58,23 @@ class RolloutWorker:
                  weights_version: Optional[int] = None) -> list[Response]:
         return self.engine.generate(prompts, params, weights_version)
 
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
+    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+        """The pickled path (``sharing.enabled=false``): copy the received state dict in."""
         self.engine.update_weights(named_tensors, version)
-        return self.engine.weights_version
+        copied = sum(t.numel() * t.element_size() for t in named_tensors.values())
+        return {"sharing/copied_bytes": float(copied)}
+
+    def map_shared_weights(self, payload: bytes) -> int:
+        return self.engine.map_shared_weights(payload)
+
+    def sync_shared_weights(self, version: int, published: dict[str, float]) -> dict[str, float]:
+        """The shared path: ``published`` is the TrainWorker's ``publish_weights`` result (Ray
+        resolves it first, so the trainer has refreshed and published ``version``)."""
+        self.engine.sync_shared_weights(version)
+        return {"sharing/copied_bytes": published.get("sharing/rebuild_bytes", 0.0)}
+
+    def weights_digest(self) -> dict[str, str]:
+        return self.engine.weights_digest()
 
     def release_memory(self) -> None:
         self.engine.release_memory()
@@ -77,11 +100,12 @@ class TrainWorker:
     Args:
         backend: registered training engine name. model/actor/algorithm: config sections.
         seed: torch seed. threads: torch threads.
+        authkey: the group's multiprocessing authkey (the RolloutWorker's too) when weights are shared.
     """
 
     def __init__(self, backend: str, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig,
-                 seed: int, threads: int):
-        _setup_process(threads)
+                 seed: int, threads: int, authkey: Optional[bytes] = None):
+        _setup_process(threads, authkey)
         self.engine = create_train_engine(backend, model=model, actor=actor, algorithm=algorithm, seed=seed)
 
     def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
@@ -93,6 +117,15 @@ class TrainWorker:
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()
+
+    def export_shared_weights(self) -> dict:
+        return self.engine.export_shared_weights()
+
+    def publish_weights(self, version: int) -> dict[str, float]:
+        return self.engine.publish_weights(version)
+
+    def weights_digest(self) -> dict[str, str]:
+        return self.engine.weights_digest()
 
     def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int):
         return self.engine.precompute_prefixes(prompts, roles, weights_version)

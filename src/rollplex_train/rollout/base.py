@@ -69,6 +69,29 @@ class RolloutEngine(abc.ABC):
             StaleWeightsError: ``version`` is not newer than the current one.
         """
 
+    def map_shared_weights(self, payload: bytes) -> int:
+        """Point the engine's weights at the trainer's shared tensors (``TrainEngine.
+        export_shared_weights``'s payload; no copy). From then on ``sync_shared_weights`` replaces
+        ``update_weights`` and ``generate`` refuses weights that are stale or being written.
+
+        Returns:
+            the bytes of the engine's weights now held in shared memory.
+
+        Raises:
+            NotImplementedError: the engine cannot map shared weights.
+            ValueError: the tensors do not match the engine's model.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot map shared weights (sharing.enabled=false)")
+
+    def sync_shared_weights(self, version: int) -> None:
+        """Adopt ``version`` of the shared weights (the trainer has published it).
+
+        Raises:
+            StaleWeightsError: ``version`` is not newer than the engine's, or the shared counter
+                is not ``version``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot map shared weights")
+
     def set_compute_share(self, threads: int) -> None:
         """This engine's share of the device from now on: on CPU the torch threads of the decode
         loop, applied from its next decode step (so a planner can re-share mid-window). May be

@@ -74,6 +74,7 @@ class BuiltinRolloutEngine(RolloutEngine):
         }), dtype=torch.long)
         self.weights_version = 0
         self._released = False
+        self._shared = None  # sharing.ipc.SharedWeights once map_shared_weights ran
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
@@ -90,6 +91,8 @@ class BuiltinRolloutEngine(RolloutEngine):
             raise StaleWeightsError(
                 f"request for weights version {weights_version}, engine holds version {self.weights_version}"
             )
+        if self._shared is not None:  # the trainer's own tensors: refuse them stale or mid-update
+            self._shared.check(self.weights_version)
         gen = torch.Generator().manual_seed(params.seed)
         self._decode_stats = {}
         per_chunk = max(1, self.max_batch_size // params.n)
@@ -99,9 +102,14 @@ class BuiltinRolloutEngine(RolloutEngine):
             for r in self._generate_chunk(chunk, params, gen):
                 r.prompt_index += start
                 out.append(r)
+        if self._shared is not None:  # nothing wrote the weights while we decoded
+            self._shared.check(self.weights_version)
         return out
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        if self._shared is not None:
+            raise RuntimeError("the weights are the trainer's shared tensors: use sync_shared_weights, "
+                               "update_weights would write into the trainer's memory")
         if version <= self.weights_version:
             raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
         current = self.model.state_dict()
@@ -114,6 +122,32 @@ class BuiltinRolloutEngine(RolloutEngine):
                              f"unexpected={unexpected} wrong_shape={wrong_shape}")
         self.model.load_state_dict(named_tensors, strict=False)
         self.weights_version = version
+
+    def map_shared_weights(self, payload: bytes) -> int:
+        from rollplex_train.sharing.embedded import map_parameters
+        from rollplex_train.sharing.ipc import import_handles
+
+        if self._shared is not None:
+            raise RuntimeError("shared weights are already mapped")
+        shared = import_handles(payload)
+        nbytes = map_parameters(self.model, shared.tensors)  # this engine's loaded copy is freed
+        self._shared = shared
+        self.weights_version = shared.version.read()
+        shared.check(self.weights_version)  # not mid-update
+        return nbytes
+
+    def sync_shared_weights(self, version: int) -> None:
+        if self._shared is None:
+            raise RuntimeError("sync_shared_weights before map_shared_weights")
+        if version <= self.weights_version:
+            raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
+        self._shared.check(version)
+        self.weights_version = version
+
+    def weights_digest(self) -> dict[str, str]:
+        from rollplex_train.sharing.embedded import weights_digest
+
+        return weights_digest(self.model)
 
     def release_memory(self) -> None:
         # The KV cache lives only inside a request, so between requests there is no cache to free;

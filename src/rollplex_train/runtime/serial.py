@@ -2,6 +2,12 @@
 
 rollout (decode) -> reward -> old-policy log-probs -> reference log-probs -> advantages ->
 actor update -> weight sync. Each phase is timed under verl's metric names (``timing_s/*``).
+
+Weight sync (``timing_s/update_weights``): with ``sharing.enabled`` the rollout engine's parameters
+are the trainer's own tensors, mapped once from IPC handles (``sharing/embedded.py``); a sync is the
+trainer's ``publish_weights`` (rebuilds refreshed, version counter bumped) followed by the rollout's
+``sync_shared_weights`` (counter checked, version adopted), one driver round trip, no weights
+moved. With ``sharing.enabled=false`` the state dict is pickled through Ray and copied in.
 """
 
 from __future__ import annotations
@@ -46,11 +52,30 @@ class SerialSchedule:
         self.cfg, self.workers, self.reward, self.pad_id = cfg, workers, reward, pad_id
         self.weights_version = 0
         self.timeline = Timeline()  # the spans of the last step (Chrome trace / Gantt)
+        self.sharing_metrics = {"sharing/shared_bytes_frac": 0.0}
+        self.sync_metrics: dict[str, float] = {}
+        if cfg.sharing.enabled:
+            self.share_weights()
+
+    def share_weights(self) -> None:
+        """Map the trainer's weights into the rollout engine, once: the train worker moves them to
+        shared memory and exports handles, the rollout worker points its parameters at them."""
+        export = ray.get(self.workers.train.export_shared_weights.remote())
+        mapped = ray.get(self.workers.rollout.map_shared_weights.remote(export["payload"]))
+        if mapped != export["view_bytes"] + export["rebuild_bytes"]:
+            raise RuntimeError(f"the rollout mapped {mapped} bytes of shared weights, the trainer shared "
+                               f"{export['view_bytes']} + {export['rebuild_bytes']} rebuilt")
+        self.sharing_metrics = {"sharing/shared_bytes_frac": export["view_bytes"] / max(1, export["rollout_bytes"])}
 
     def sync_weights(self, version: int) -> None:
-        """Push the actor's weights to the rollout engine as ``version``."""
-        weights = self.workers.train.rollout_weights.remote()
-        ray.get(self.workers.rollout.update_weights.remote(weights, version))
+        """Give the rollout engine the actor's weights as ``version``: publish the shared ones
+        (``sharing.enabled``) or push a pickled state dict."""
+        w = self.workers
+        if self.cfg.sharing.enabled:
+            published = w.train.publish_weights.remote(version)  # resolved by Ray before the rollout call
+            self.sync_metrics = ray.get(w.rollout.sync_shared_weights.remote(version, published))
+        else:
+            self.sync_metrics = ray.get(w.rollout.update_weights.remote(w.train.rollout_weights.remote(), version))
         self.weights_version = version
 
     def rollout_phase(self, prompts: list[PromptSample], step: int, t: dict[str, float]):
@@ -89,6 +114,8 @@ class SerialSchedule:
         metrics["perf/total_num_tokens"] = float(batching.num_tokens(batch))
         metrics["perf/throughput"] = compute_throughput(batching.num_tokens(batch), t["step"], num_devices=1)
         metrics["actor/weights_version"] = float(self.weights_version)
+        metrics.update(self.sharing_metrics)
+        metrics.update(self.sync_metrics)
         return metrics
 
     def generate_val(self, prompts: list[PromptSample], step: int):

@@ -54,6 +54,26 @@ class TrainEngine(abc.ABC):
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """The actor weights under the rollout engine's parameter names."""
 
+    def export_shared_weights(self) -> dict:
+        """Share the actor's weights with one rollout process (``sharing.enabled``): returns
+        ``payload`` (IPC handles for ``RolloutEngine.map_shared_weights``, loaded once while this
+        process lives) and the plan's ``view_bytes``/``rebuild_bytes``/``rollout_bytes``.
+
+        Raises:
+            NotImplementedError: the backend cannot share its weights.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot share its weights (sharing.enabled=false)")
+
+    def publish_weights(self, version: int) -> dict[str, float]:
+        """After a weight write (update, checkpoint load): refresh the rebuilt rollout tensors and
+        publish ``version`` (must equal ``weights_version``) on the shared counter; returns
+        ``sharing/*`` metrics.
+
+        Raises:
+            StaleWeightsError: ``version`` is not the actor's or not newer than the published one.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot share its weights")
+
     @abc.abstractmethod
     def save_checkpoint(self, directory: Path) -> None:
         """Write actor weights, optimizer and scheduler state and the weights version into ``directory``."""

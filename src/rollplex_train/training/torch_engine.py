@@ -75,6 +75,7 @@ class TorchTrainEngine(TrainEngine):
         self.weights_version = 0
         self.param_version = 0  # optimizer steps taken by this process (keys actor prefix states)
         self.prefixes = PrefixStore(owner="train-worker")
+        self._shared = None  # sharing.embedded.SharedActor once export_shared_weights() ran
 
     # ---- scoring ----------------------------------------------------------------------------------
     def _forward(self, model, role: str, batch: TrainBatch, rows: torch.Tensor, temperature: float,
@@ -202,6 +203,8 @@ class TorchTrainEngine(TrainEngine):
         mini = self.cfg.ppo_mini_batch_size if self.cfg.ppo_mini_batch_size > 0 else num_prompts
         sums: dict[str, float] = {}
         count = 0
+        if self._shared is not None:  # in-place writes ahead: the rollout refuses until publish_weights
+            self._shared.begin_update()
         self.actor.train()
         for _ in range(self.cfg.ppo_epochs):
             for start in range(0, num_prompts, mini):
@@ -281,6 +284,30 @@ class TorchTrainEngine(TrainEngine):
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.actor.state_dict().items()}
 
+    def export_shared_weights(self) -> dict:
+        """Put the actor's parameters in shared memory (once, in place) and export handles to them
+        for one rollout process (``sharing/embedded.py``); from then on ``update_actor`` and
+        ``load_checkpoint`` mark the weights in flux until ``publish_weights``."""
+        from rollplex_train.sharing.embedded import SharedActor
+
+        if self._shared is None:
+            self._shared = SharedActor(self.actor, self.weights_version)
+        return self._shared.export()
+
+    def publish_weights(self, version: int) -> dict[str, float]:
+        from rollplex_train.rollout.base import StaleWeightsError
+
+        if self._shared is None:
+            raise RuntimeError("publish_weights before export_shared_weights")
+        if version != self.weights_version:
+            raise StaleWeightsError(f"publish of weights version {version}, the actor holds {self.weights_version}")
+        return self._shared.publish(version)
+
+    def weights_digest(self) -> dict[str, str]:
+        from rollplex_train.sharing.embedded import weights_digest
+
+        return weights_digest(self.actor)
+
     def save_checkpoint(self, directory: Path) -> None:
         directory = Path(directory)
         torch.save(self.actor.state_dict(), directory / "actor.pt")
@@ -295,6 +322,8 @@ class TorchTrainEngine(TrainEngine):
         for name in ("actor.pt", "optim.pt"):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"checkpoint {directory} lacks {name}")
+        if self._shared is not None:  # load_state_dict copies into the shared storage in place
+            self._shared.begin_update()
         self.actor.load_state_dict(torch.load(directory / "actor.pt", weights_only=True))
         state = torch.load(directory / "optim.pt", weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
