@@ -1,9 +1,10 @@
 """serial vs serial+shared prefix vs disaggregated vs rollplex, side by side in one run (issue 4).
 
-    python scripts/bench_schedules.py            # bench_cpu workload, 2 steps per schedule
+    python scripts/bench_schedules.py            # bench_cpu workload, 5 steps per schedule
 
 Each schedule runs `rollplex-train +experiment=bench_cpu` (same data, same seed) for ``--steps``
-steps; the last step is timed (the first one warms up) and traced. Prints a table, writes
+steps; steps ``--timed-from``.. are timed (mean; rollplex calibrates its cost model in steps 1-3)
+and the last one is traced. Prints a table, writes
 ``<out>/gantt.png`` and ``<out>/<schedule>/traces/step_<k>.json`` and, as the last line,
 ``schedules: rollplex/serial=<x> rollplex/serial_shared=<y> rollplex/disaggregated=<z> prefix_hidden=<p>%``.
 """
@@ -56,7 +57,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="artifacts/checkpoints/small-qwen25vl")
     parser.add_argument("--tasks", default="artifacts/data/visual_tasks")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--timed-from", type=int, default=4, help="first timed step (rollplex plans from step 4)")
     parser.add_argument("--out", default="outputs/bench_schedules")
     parser.add_argument("--only", default=",".join(SCHEDULES), help="comma-separated subset of schedules")
     args = parser.parse_args()
@@ -76,11 +78,19 @@ def main() -> None:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
         if proc.returncode != 0:
             sys.exit(f"{label} failed:\n{proc.stderr[-3000:]}")
-        last = read_metrics_jsonl(out / "metrics.jsonl")[-1]
+        rows = [r for r in read_metrics_jsonl(out / "metrics.jsonl") if r["step"] >= args.timed_from]
+        last = {k: sum(r[k] for r in rows) / len(rows) for k in rows[-1] if all(k in r for r in rows)}
         results[label] = (last, timeline_from_trace(out / "traces" / f"step_{args.steps}.json"))
         print(f"{label:<15} step {last['timing_s/step']:7.2f} s  gen {last['timing_s/gen']:6.2f}  "
               f"old {last.get('timing_s/old_log_prob', 0):6.2f}  ref {last.get('timing_s/ref', 0):6.2f}  "
               f"update {last['timing_s/update_actor']:6.2f}  score {last['critic/score/mean']:.4f}", flush=True)
+        if "planner/decode_share" in last:
+            print(f"{'':<15} planner: decode/train threads {last['planner/decode_share']:.0f}/"
+                  f"{last['planner/train_share']:.0f}, predicted {last.get('planner/predicted_s', 0):.2f} s "
+                  f"(no overlap {last.get('planner/predicted_no_overlap_s', 0):.2f} s), actual "
+                  f"{last['planner/actual_s']:.2f} s, reshare {last.get('timing_s/reshare', 0):.3f} s, "
+                  f"prefix {last['rollplex/prefix_s']:.2f} s hidden {100 * last['rollplex/prefix_hidden_frac']:.0f}%",
+                  flush=True)
     plot_gantt({k: tl for k, (_, tl) in results.items()}, Path(args.out) / "gantt.png",
                title=f"bench_cpu, step {args.steps}")
     step = {k: m["timing_s/step"] for k, (m, _) in results.items()}

@@ -145,6 +145,22 @@ def test_n_grouping_and_chunking(fresh_engine, mixed_prompts):
         assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
+def test_stream_yields_each_group_when_it_finishes(fresh_engine, mixed_prompts, biased_head):
+    """generate_stream: whole groups in completion order (longest response of each group never
+    decreases), and together exactly what generate returns for the same seed."""
+    biased_head(fresh_engine.model, {fresh_engine.tokenizer.eos_token_id: 6.0})  # varied lengths
+    params = SamplingParams(n=3, max_new_tokens=10, seed=3)
+    streamed = list(fresh_engine.generate_stream(mixed_prompts * 2, params))
+    whole = fresh_engine.generate(mixed_prompts * 2, params)
+    longest = [max(len(r.token_ids) for r in group) for group in streamed]
+    assert longest == sorted(longest) and len(set(longest)) > 1  # some groups finished early
+    for group in streamed:
+        assert len(group) == 3 and len({r.prompt_index for r in group}) == 1
+    flat = sorted((r for group in streamed for r in group), key=lambda r: r.prompt_index)
+    assert _tokens(flat) == _tokens(whole)
+    assert [r.prompt_index for r in flat] == [r.prompt_index for r in whole]
+
+
 # ---- stopping ------------------------------------------------------------------------------------
 def test_eos_stops_and_ignore_eos_runs_to_max_new_tokens(fresh_engine, mixed_prompts, biased_head):
     eos = fresh_engine.tokenizer.eos_token_id

@@ -313,6 +313,9 @@ class ScheduleConfig:
     prefix_memory_gib: Optional[float] = None
     """rollplex: most GiB of prefix state (KV caches, actor prefix activations) the planner may keep
     alive from the decode window to the suffix passes (None: no limit)."""
+    stream_suffix: bool = True
+    """rollplex: score the suffixes of groups whose responses are all finished while other groups
+    still decode (the decode tail), on the planner's split of the device."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule", "name", self.name, SCHEDULES)

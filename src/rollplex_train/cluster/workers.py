@@ -93,6 +93,12 @@ class RolloutWorker:
     def decode_stats(self) -> dict[int, tuple[float, int]]:
         return self.engine.decode_stats()
 
+    def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
+                        weights_version: Optional[int] = None):
+        """Ray streaming generator (call with ``.options(num_returns="streaming")``): one object per
+        finished group, a list of its responses."""
+        yield from self.engine.generate_stream(prompts, params, weights_version)
+
 
 class TrainWorker:
     """Holds the training engine (actor + reference + optimizer).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -91,6 +91,17 @@ class RolloutEngine(abc.ABC):
                 is not ``version``.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot map shared weights")
+
+    def generate_stream(
+        self, prompts: list[PromptSample], params: SamplingParams, weights_version: Optional[int] = None
+    ) -> Iterator[list[Response]]:
+        """Like ``generate``, but yield each prompt's ``params.n`` responses as soon as all of them
+        are finished (completion order; ``Response.prompt_index`` tells the prompt), so suffix work
+        of early groups can start during the decode tail. Engines that cannot stream yield every
+        group when the whole request is done (this default)."""
+        responses = self.generate(prompts, params, weights_version)
+        for start in range(0, len(responses), params.n):
+            yield responses[start : start + params.n]
 
     def set_compute_share(self, threads: int) -> None:
         """This engine's share of the device from now on: on CPU the torch threads of the decode

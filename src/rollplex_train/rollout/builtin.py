@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -85,6 +85,11 @@ class BuiltinRolloutEngine(RolloutEngine):
     # ---- protocol -------------------------------------------------------------------------------
     def generate(self, prompts: list[PromptSample], params: SamplingParams,
                  weights_version: Optional[int] = None) -> list[Response]:
+        groups = self.generate_stream(prompts, params, weights_version)
+        return sorted((r for group in groups for r in group), key=lambda r: r.prompt_index)  # stable
+
+    def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
+                        weights_version: Optional[int] = None) -> Iterator[list[Response]]:
         if self._released:
             raise RuntimeError("rollout engine memory is released: call resume_memory() before generate()")
         if weights_version is not None and weights_version != self.weights_version:
@@ -96,15 +101,14 @@ class BuiltinRolloutEngine(RolloutEngine):
         gen = torch.Generator().manual_seed(params.seed)
         self._decode_stats = {}
         per_chunk = max(1, self.max_batch_size // params.n)
-        out: list[Response] = []
         for start in range(0, len(prompts), per_chunk):
             chunk = prompts[start : start + per_chunk]
-            for r in self._generate_chunk(chunk, params, gen):
-                r.prompt_index += start
-                out.append(r)
+            for group in self._generate_chunk(chunk, params, gen):
+                for r in group:
+                    r.prompt_index += start
+                yield group
         if self._shared is not None:  # nothing wrote the weights while we decoded
             self._shared.check(self.weights_version)
-        return out
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
         if self._shared is not None:
@@ -172,7 +176,9 @@ class BuiltinRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_chunk(self, prompts: list[PromptSample], params: SamplingParams,
-                        gen: torch.Generator) -> list[Response]:
+                        gen: torch.Generator) -> Iterator[list[Response]]:
+        """Decode ``prompts`` together; yield each group's n responses once all n are finished
+        (then the rest, in prompt order, when decoding ends)."""
         from transformers import DynamicCache
 
         model, n = self.model, params.n
@@ -195,6 +201,15 @@ class BuiltinRolloutEngine(RolloutEngine):
         logps: list[list[float]] = [[] for _ in range(batch)]
         finish = ["length"] * batch
         stop_strings = tuple(params.stop)
+        left = [n] * len(prompts)  # unfinished responses per group
+
+        def group(index: int) -> list[Response]:
+            left[index] = -1  # yielded
+            return [Response(prompt_index=index, token_ids=torch.tensor(tokens[seq], dtype=torch.long),
+                             logprobs=torch.tensor(logps[seq], dtype=torch.float32),
+                             text=self.tokenizer.decode(tokens[seq], skip_special_tokens=True),
+                             finish_reason=finish[seq])
+                    for seq in range(index * n, (index + 1) * n)]
 
         tick = self._account(tick, 1)  # the prefill is charged as the first step
         for step in range(params.max_new_tokens):
@@ -222,10 +237,13 @@ class BuiltinRolloutEngine(RolloutEngine):
                     done = any(tail.endswith(s) for s in stop_strings)
                 if done:
                     finish[seq] = "stop"
+                    left[seq // n] -= 1
                 else:
                     keep.append(row)
             if not keep or step == params.max_new_tokens - 1:
                 break
+            for index in [g for g, count in enumerate(left) if count == 0]:
+                yield group(index)
             if len(keep) < len(alive):
                 sel = torch.tensor(keep, dtype=torch.long)
                 cache.batch_select_indices(sel)
@@ -239,14 +257,6 @@ class BuiltinRolloutEngine(RolloutEngine):
             num_real = num_real + 1
             tick = self._account(tick, 1)
 
-        responses = []
-        for seq in range(batch):
-            ids_t = torch.tensor(tokens[seq], dtype=torch.long)
-            responses.append(Response(
-                prompt_index=seq // n,
-                token_ids=ids_t,
-                logprobs=torch.tensor(logps[seq], dtype=torch.float32),
-                text=self.tokenizer.decode(tokens[seq], skip_special_tokens=True),
-                finish_reason=finish[seq],
-            ))
-        return responses
+        for index in range(len(prompts)):
+            if left[index] >= 0:
+                yield group(index)

@@ -5,6 +5,8 @@ Pure tensors, no workers: the schedules call these between the worker phases.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from rollplex_train.algo.advantages import apply_kl_penalty, compute_advantages
@@ -42,6 +44,20 @@ def to_train_batch(prompts: list[PromptSample], responses: list[Response], pad_i
         response_mask=mask,
         rollout_logprobs=rollout_logprobs,
     )
+
+
+def groups_batch(prompts: list[PromptSample], groups: dict[int, list[Response]], indices: list[int],
+                 pad_id: int) -> TrainBatch:
+    """The TrainBatch of some finished groups (``groups[i]``: prompt i's responses), prompts
+    renumbered 0..len(indices)-1 in ``indices`` order — the input of a suffix task during decode."""
+    responses = [dataclasses.replace(r, prompt_index=local) for local, i in enumerate(indices) for r in groups[i]]
+    return to_train_batch([prompts[i] for i in indices], responses, pad_id)
+
+
+def group_rows(batch: TrainBatch, indices: list[int]) -> torch.Tensor:
+    """Row indices of the responses of prompts ``indices``, in ``TrainBatch.select_groups`` order."""
+    wanted = set(indices)
+    return torch.tensor([row for row, g in enumerate(batch.group_index.tolist()) if g in wanted], dtype=torch.long)
 
 
 def score_responses(reward: RewardManager, batch: TrainBatch, responses: list[Response]):

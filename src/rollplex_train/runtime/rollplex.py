@@ -22,8 +22,10 @@ import time
 from collections import defaultdict
 
 import ray
+import torch
 
 from rollplex_train.data.types import PromptSample
+from rollplex_train.runtime import batching
 from rollplex_train.runtime.cost_model import CostModel
 from rollplex_train.runtime.graph import build_step_graph
 from rollplex_train.runtime.planner import PhasePlanner, WindowPlan
@@ -83,32 +85,87 @@ class RollplexSchedule(SerialSchedule):
     def rollout_phase(self, prompts: list[PromptSample], step: int, t: dict[str, float]):
         w, tl, total = self.workers, self.timeline, self.workers.threads
         plan = self.last_plan = self.planner.plan(self._graph(prompts), self.cost)
-        if plan.overlaps:
-            self._reshare(plan.decode_share, plan.train_share, t)
-        window: list = []
+        full = (total, total)
+        split = (plan.decode_share, plan.train_share) if plan.overlaps else (max(1, (total + 1) // 2), total // 2)
+        stream_suffix = self.cfg.schedule.stream_suffix and total > 1 and plan.mode != "profile_serial"
+        self.streamed = {"actor": {}, "ref": {}}
+        roles = ["actor"] + (["ref"] if self.cfg.algorithm.needs_reference else [])
+        groups: dict[int, list] = {}
+        submitted: set[int] = set()
+        tail: list[tuple[list[int], list]] = []  # suffix calls in flight: (prompt indices, refs per role)
+        # shares change only while the training worker is idle (its calls run in order)
+        share = self._set_share(split if plan.overlaps else full, full, t)
         with tl.span("gen", "rollout", t):
             gen_start = tl.now()
-            generated = w.rollout.generate.remote(prompts, sampling_params(self.cfg, step), self.weights_version)
+            stream = w.rollout.generate_stream.options(num_returns="streaming").remote(
+                prompts, sampling_params(self.cfg, step), self.weights_version)
             window = self._submit(prompts, prefix_calls(plan.window_tasks)) if plan.overlaps else []
-            pending = list(window)
-            while pending:  # give the decoder the whole device back once the window's tasks are done
-                ready, _ = ray.wait([generated, *pending], num_returns=1)
-                if generated in ready:
-                    break
+            pending, decoding = list(window), True
+            while decoding:
+                ready, _ = ray.wait([stream, *pending, *(r for _, refs in tail for r in refs)], num_returns=1)
+                if stream in ready:
+                    try:
+                        group = ray.get(next(stream))
+                        groups[group[0].prompt_index] = group
+                    except StopIteration:
+                        decoding = False
                 pending = [r for r in pending if r not in ready]
-            if plan.overlaps and not pending:
-                self._reshare(total, total, t)
-            responses = ray.get(generated)
+                self._collect_tail(tail, timeout=0)
+                fresh = sorted(set(groups) - submitted)
+                start_tail = decoding and stream_suffix and bool(fresh) and not pending and not tail
+                share = self._set_share(split if pending or tail or start_tail else full, share, t)
+                if start_tail:  # suffix tasks of the groups already finished, beside the decode tail
+                    batch = batching.groups_batch(prompts, groups, fresh, self.pad_id)
+                    temp = self.cfg.rollout.temperature
+                    tail.append((fresh, [w.train.compute_log_probs.remote(batch, role, temp) for role in roles]))
+                    submitted.update(fresh)
             gen_end = tl.now()
-        if pending:
-            with tl.span("prefix_exposed", "train", t):  # window work that outlasted decode
+        if pending or tail:
+            with tl.span("prefix_exposed", "train", t):  # window / tail work that outlasted decode
                 ray.get(pending)
-            self._reshare(total, total, t)
+                self._collect_tail(tail, timeout=None)
+        self._set_share(full, share, t)
         with tl.span("prefix_after", "train", t):
             after = ray.get(self._submit(prompts, prefix_calls(plan.after_tasks)))
         results = ray.get(window) + after
+        responses = [r for i in range(len(prompts)) for r in groups[i]]
         self._observe(responses, results, ray.get(w.rollout.decode_stats.remote()), len(prompts))
-        return responses, self._metrics(plan, results, gen_start, gen_end, t)
+        metrics = self._metrics(plan, results, gen_start, gen_end, t)
+        metrics["rollplex/tail_groups"] = float(len(self.streamed["actor"]))
+        return responses, metrics
+
+    def _set_share(self, wanted: tuple[int, int], current: tuple[int, int], t: dict[str, float]) -> tuple[int, int]:
+        if wanted != current:
+            self._reshare(*wanted, t)
+        return wanted
+
+    def _collect_tail(self, tail: list, timeout) -> None:
+        """Move finished suffix calls of the decode tail into ``self.streamed[role][prompt index]``
+        ((n, R_g) log-probs of that group's rows); ``timeout=None`` waits for all."""
+        n = self.cfg.rollout.n
+        for entry in list(tail):
+            indices, refs = entry
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+            if len(done) < len(refs):
+                continue
+            tail.remove(entry)
+            for role, (logp, _) in zip(("actor", "ref"), ray.get(refs)):
+                for k, i in enumerate(indices):  # groups_batch keeps each group's n rows together, in order
+                    self.streamed[role][i] = logp[k * n : (k + 1) * n]
+
+    def log_probs(self, batch, role: str, temperature: float):
+        """Suffix log-probs: groups scored during the decode tail are reused, the rest computed now."""
+        scored = getattr(self, "streamed", {}).get(role, {})
+        if not scored:
+            return super().log_probs(batch, role, temperature)
+        out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        missing = [g for g in range(len(batch.prompts)) if g not in scored]
+        if missing:
+            logp = super().log_probs(batch.select_groups(missing), role, temperature)
+            out[batching.group_rows(batch, missing), : logp.shape[1]] = logp
+        for g, logp in scored.items():
+            out[batching.group_rows(batch, [g]), : logp.shape[1]] = logp
+        return out
 
     def _observe(self, responses, results: list[dict], decode_stats: dict, num_groups: int) -> None:
         """Update the cost model and the graph's size estimates with this step's measurements."""

@@ -86,6 +86,11 @@ class SerialSchedule:
                 prompts, sampling_params(self.cfg, step), self.weights_version))
         return responses, {}
 
+    def log_probs(self, batch, role: str, temperature: float):
+        """(B, R) float32 log-probs of every response under ``role`` (``actor``: the old policy,
+        ``ref``: the reference), computed by the training worker."""
+        return ray.get(self.workers.train.compute_log_probs.remote(batch, role, temperature))[0]
+
     def run_step(self, prompts: list[PromptSample], step: int) -> dict[str, float]:
         """One synchronous on-policy step; returns the step's metrics."""
         cfg, w = self.cfg, self.workers
@@ -99,10 +104,10 @@ class SerialSchedule:
                 scores, metrics = batching.score_responses(self.reward, batch, responses)
             metrics.update(window_metrics)
             with tl.span("old_log_prob", "train", t):
-                batch.old_logprobs, _ = ray.get(w.train.compute_log_probs.remote(batch, "actor", temp))
+                batch.old_logprobs = self.log_probs(batch, "actor", temp)
             if cfg.algorithm.needs_reference:
                 with tl.span("ref", "train", t):
-                    batch.ref_logprobs, _ = ray.get(w.train.compute_log_probs.remote(batch, "ref", temp))
+                    batch.ref_logprobs = self.log_probs(batch, "ref", temp)
             with tl.span("adv", "driver", t):
                 metrics.update(batching.add_advantages(cfg, batch, scores))
             with tl.span("update_actor", "train", t):
