@@ -128,14 +128,19 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
               "data.rollout_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "model.shared_prefix=true",
               "trainer.loggers=[jsonl]"]
     runs = {}
-    for schedule in ("serial", "disaggregated", "rollplex"):
+    variants = {"serial": [], "disaggregated": [], "rollplex": [],
+                "rollplex+offload": ["memory.offload_optimizer=true"]}  # optimizer states to host and back
+    for schedule, extra in variants.items():
         out = tmp_path / schedule
-        proc = run_cli(out, *common, f"schedule={schedule}", "trainer.trace_steps=[3]")
+        proc = run_cli(out, *common, f"schedule={schedule.split('+')[0]}", "trainer.trace_steps=[3]", *extra)
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[schedule] = (read_metrics_jsonl(out / "metrics.jsonl"),
                           torch.load(out / "checkpoints" / "global_step_3" / "actor.pt", weights_only=True))
     serial, w_serial = runs["serial"]
-    for schedule in ("disaggregated", "rollplex"):
+    offloaded = [r["memory/offloaded_bytes"] for r in runs["rollplex+offload"][0]]
+    assert offloaded[0] == 0 and offloaded[1] > 0 and offloaded[1:] == [r["memory/prefetched_bytes"]
+                                                                        for r in runs["rollplex+offload"][0][1:]]
+    for schedule in ("disaggregated", "rollplex", "rollplex+offload"):
         other, w_other = runs[schedule]
         for a, b in zip(serial, other):
             for key in ("critic/score/mean", "reward/accuracy", "response_length/mean", "response_length/max"):

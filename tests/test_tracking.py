@@ -60,6 +60,12 @@ def test_jsonl_values_nan_and_resume_append(tmp_path: Path) -> None:
     assert records[1]["critic/score/mean"] == 0.75  # last record per step wins
     assert len(path.read_text().splitlines()) == 4
 
+    # A fresh run (resume disabled) in the same directory starts a new file, keeping one backup.
+    with Tracker(["jsonl"], tmp_path, "p", "e", {}, fresh=True) as tracker:
+        tracker.log({"critic/score/mean": 0.1}, step=1)
+    assert [r["step"] for r in read_metrics_jsonl(path)] == [1]
+    assert len((tmp_path / "metrics.jsonl.prev").read_text().splitlines()) == 4
+
 
 def test_non_numeric_metric_names_key(tmp_path: Path) -> None:
     with Tracker(["jsonl"], tmp_path, "p", "e", {}) as tracker:

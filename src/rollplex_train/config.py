@@ -279,6 +279,10 @@ class MemoryConfig:
     fused_kernels: bool = True
     """Activations as fused kernels keep them (Megatron/TransformerEngine RMSNorm, RoPE, attention);
     False: as eager transformers modules do (the torch engine, HF-model FSDP), which keep more."""
+    offload_optimizer: bool = False
+    """Move the actor's optimizer states to host memory while the step decodes and scores, and
+    prefetch them back right before the actor update (frees device memory for the rollout's KV cache
+    and the prefix states of the decode window). On CPU the same mechanism runs and only moves bytes."""
 
     def __post_init__(self) -> None:
         if self.budget_gib is not None:

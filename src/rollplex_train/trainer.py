@@ -93,7 +93,8 @@ class Trainer:
         self.schedule = make_schedule(cfg, workers, self.reward, self.tokenizer.pad_token_id)
         self._maybe_resume()
         tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
-                          cfg.trainer.experiment_name, OmegaConf.to_container(OmegaConf.structured(cfg)))
+                          cfg.trainer.experiment_name, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                          fresh=self.step == 0)
         last: dict[str, float] = {}
         try:
             if cfg.trainer.val_before_train and self.step == 0 and self.val_set is not None:

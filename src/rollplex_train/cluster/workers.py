@@ -133,6 +133,12 @@ class TrainWorker:
     def weights_digest(self) -> dict[str, str]:
         return self.engine.weights_digest()
 
+    def offload_states(self, parts: tuple[str, ...]) -> int:
+        return self.engine.offload_states(parts)
+
+    def prefetch_states(self, parts: tuple[str, ...]) -> int:
+        return self.engine.prefetch_states(parts)
+
     def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int):
         return self.engine.precompute_prefixes(prompts, roles, weights_version)
 

@@ -97,7 +97,10 @@ class SerialSchedule:
         temp = cfg.rollout.temperature
         t: dict[str, float] = {}
         self.timeline = tl = Timeline()
+        offload = ("optimizer",) if cfg.memory.offload_optimizer else ()
         with timer("step", t):
+            if offload:  # queued before any window task: the states leave the device as decode starts
+                offloaded = w.train.offload_states.remote(offload)
             responses, window_metrics = self.rollout_phase(prompts, step, t)
             batch = batching.to_train_batch(prompts, responses, self.pad_id)
             with tl.span("reward", "driver", t):
@@ -110,6 +113,10 @@ class SerialSchedule:
                     batch.ref_logprobs = self.log_probs(batch, "ref", temp)
             with tl.span("adv", "driver", t):
                 metrics.update(batching.add_advantages(cfg, batch, scores))
+            if offload:
+                with tl.span("prefetch", "train", t):
+                    metrics["memory/offloaded_bytes"] = float(ray.get(offloaded))
+                    metrics["memory/prefetched_bytes"] = float(ray.get(w.train.prefetch_states.remote(offload)))
             with tl.span("update_actor", "train", t):
                 metrics.update(ray.get(w.train.update_actor.remote(batch, temp)))
             with tl.span("update_weights", "rollout", t):

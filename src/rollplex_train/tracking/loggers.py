@@ -11,7 +11,8 @@ In ``metrics.jsonl`` they are written as ``null`` so that every line is strict J
 pandas and other JSON readers accept it); :func:`read_metrics_jsonl` reads ``null`` back as NaN.
 
 On resume the jsonl file is appended to, so steps logged after the last checkpoint of a crashed run
-appear twice; :func:`read_metrics_jsonl` keeps the last record per step.
+appear twice; :func:`read_metrics_jsonl` keeps the last record per step. A fresh run (``fresh=True``:
+not a resume) in a directory that already holds a ``metrics.jsonl`` moves it to ``metrics.jsonl.prev``.
 """
 
 from __future__ import annotations
@@ -84,8 +85,12 @@ class _ConsoleBackend:
 class _JsonlBackend:
     """Appends ``{"step": s, **metrics}`` to ``metrics.jsonl``, flushing after every line."""
 
-    def __init__(self, output_dir: Path) -> None:
+    def __init__(self, output_dir: Path, fresh: bool = False) -> None:
         self.path = output_dir / METRICS_FILE
+        if fresh and self.path.exists():  # a new run (not a resume) in a used directory
+            backup = self.path.with_name(METRICS_FILE + ".prev")
+            os.replace(self.path, backup)
+            log.warning("new run: the previous %s was moved to %s", self.path, backup)
         needs_newline = False
         if self.path.exists() and self.path.stat().st_size > 0:
             # A crash mid-write can leave a partial last line; start the next record on a fresh line.
@@ -204,8 +209,10 @@ class Tracker:
         project: str,
         experiment: str,
         config: Mapping[str, Any] | None = None,
+        fresh: bool = False,
     ) -> None:
         names = list(dict.fromkeys(loggers))
+        self.fresh = fresh
         unknown = [name for name in names if name not in LOGGER_NAMES]
         if unknown:
             raise ValueError(f"trainer.loggers: unknown logger(s) {unknown}; choose from {list(LOGGER_NAMES)}")
@@ -224,7 +231,7 @@ class Tracker:
         if name == "console":
             return _ConsoleBackend()
         if name == "jsonl":
-            return _JsonlBackend(self.output_dir)
+            return _JsonlBackend(self.output_dir, self.fresh)
         if name == "tensorboard":
             return _TensorboardBackend(self.output_dir, config)
         return _WandbBackend(self.output_dir, project, experiment, config)

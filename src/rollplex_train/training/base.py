@@ -74,6 +74,20 @@ class TrainEngine(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot share its weights")
 
+    def offload_states(self, parts: tuple[str, ...]) -> int:
+        """Move ``parts`` (``optimizer``, ``grads``; ``params`` only when not shared with a
+        rollout engine) to host memory and free their device storage; returns the bytes moved.
+
+        Raises:
+            NotImplementedError: the backend has no offload.
+            ValueError: an unknown part, or ``params`` while the weights are shared.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot offload its states")
+
+    def prefetch_states(self, parts: tuple[str, ...]) -> int:
+        """Bring offloaded ``parts`` back to the device before their next use; returns the bytes."""
+        raise NotImplementedError(f"{type(self).__name__} cannot offload its states")
+
     @abc.abstractmethod
     def save_checkpoint(self, directory: Path) -> None:
         """Write actor weights, optimizer and scheduler state and the weights version into ``directory``."""

@@ -76,6 +76,7 @@ class TorchTrainEngine(TrainEngine):
         self.param_version = 0  # optimizer steps taken by this process (keys actor prefix states)
         self.prefixes = PrefixStore(owner="train-worker")
         self._shared = None  # sharing.embedded.SharedActor once export_shared_weights() ran
+        self._offloader = None  # memory.offload.ModuleOffloader on first offload_states()
 
     # ---- scoring ----------------------------------------------------------------------------------
     def _forward(self, model, role: str, batch: TrainBatch, rows: torch.Tensor, temperature: float,
@@ -283,6 +284,23 @@ class TorchTrainEngine(TrainEngine):
     # ---- weights and checkpoints ------------------------------------------------------------------
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.actor.state_dict().items()}
+
+    def offload_states(self, parts: tuple[str, ...]) -> int:
+        if "params" in parts and self._shared is not None:
+            raise ValueError("cannot offload the actor's parameters: the rollout engine decodes with them "
+                             "(sharing.enabled=true)")
+        if self._offloader is None:
+            from rollplex_train.memory.offload import ModuleOffloader
+
+            self._offloader = ModuleOffloader(self.actor, self.optimizer)
+        return self._offloader.offload(tuple(parts))
+
+    def prefetch_states(self, parts: tuple[str, ...]) -> int:
+        if self._offloader is None:
+            return 0
+        pending = self._offloader.prefetch(tuple(parts))
+        pending.wait()
+        return pending.nbytes
 
     def export_shared_weights(self) -> dict:
         """Put the actor's parameters in shared memory (once, in place) and export handles to them
