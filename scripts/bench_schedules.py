@@ -1,10 +1,11 @@
 """serial vs serial+shared prefix vs disaggregated vs rollplex, side by side in one run (issue 4).
 
-    python scripts/bench_schedules.py            # bench_cpu workload, 5 steps per schedule
+    python scripts/bench_schedules.py            # bench_cpu workload, 3 rounds x 5 steps per schedule
 
 Each schedule runs `rollplex-train +experiment=bench_cpu` (same data, same seed) for ``--steps``
 steps; steps ``--timed-from``.. are timed (mean; rollplex calibrates its cost model in steps 1-3)
-and the last one is traced. Prints a table, writes
+and the last one is traced. The schedules run in ``--repeat`` interleaved rounds (this machine's
+step times drift by up to 20% between runs); each schedule's median run is reported. Prints a table, writes
 ``<out>/gantt.png`` and ``<out>/<schedule>/traces/step_<k>.json`` and, as the last line,
 ``schedules: rollplex/serial=<x> rollplex/serial_shared=<y> rollplex/disaggregated=<z> prefix_hidden=<p>%``.
 """
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--timed-from", type=int, default=4, help="first timed step (rollplex plans from step 4)")
     parser.add_argument("--out", default="outputs/bench_schedules")
     parser.add_argument("--only", default=",".join(SCHEDULES), help="comma-separated subset of schedules")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds over the schedules; the median run counts")
     args = parser.parse_args()
     model = Path(args.model)
     if not (model / "config.json").is_file():
@@ -69,18 +71,26 @@ def main() -> None:
             make_tiny_checkpoint(model, size="small", tasks_dir=None)
     manifest = bench_manifest(Path(args.tasks))
     cli = Path(sys.executable).parent / "rollplex-train"
+    runs: dict[str, list[dict]] = {label: [] for label in args.only.split(",")}
+    traces = {}
+    for rep in range(args.repeat):  # rounds over all schedules: slow drifts of the machine hit each alike
+        for label in runs:
+            out = Path(args.out) / label
+            cmd = [str(cli), "+experiment=bench_cpu", *SCHEDULES[label], f"model.path={model}",
+                   f"data.train_files={manifest}", f"trainer.total_steps={args.steps}", "trainer.resume=disable",
+                   f"trainer.trace_steps=[{args.steps}]", f"hydra.run.dir={out}", f"trainer.output_dir={out}"]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
+            if proc.returncode != 0:
+                sys.exit(f"{label} failed:\n{proc.stderr[-3000:]}")
+            rows = [r for r in read_metrics_jsonl(out / "metrics.jsonl") if r["step"] >= args.timed_from]
+            runs[label].append({k: sum(r[k] for r in rows) / len(rows) for k in rows[-1] if all(k in r for r in rows)})
+            print(f"{label:<15} round {rep + 1}: step {runs[label][-1]['timing_s/step']:6.2f} s", flush=True)
+            if rep == args.repeat - 1:
+                traces[label] = timeline_from_trace(out / "traces" / f"step_{args.steps}.json")
     results = {}
-    for label in args.only.split(","):
-        out = Path(args.out) / label
-        cmd = [str(cli), "+experiment=bench_cpu", *SCHEDULES[label], f"model.path={model}",
-               f"data.train_files={manifest}", f"trainer.total_steps={args.steps}", "trainer.resume=disable",
-               f"trainer.trace_steps=[{args.steps}]", f"hydra.run.dir={out}", f"trainer.output_dir={out}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
-        if proc.returncode != 0:
-            sys.exit(f"{label} failed:\n{proc.stderr[-3000:]}")
-        rows = [r for r in read_metrics_jsonl(out / "metrics.jsonl") if r["step"] >= args.timed_from]
-        last = {k: sum(r[k] for r in rows) / len(rows) for k in rows[-1] if all(k in r for r in rows)}
-        results[label] = (last, timeline_from_trace(out / "traces" / f"step_{args.steps}.json"))
+    for label, measured in runs.items():  # the run with the median step time stands for the schedule
+        last = sorted(measured, key=lambda m: m["timing_s/step"])[len(measured) // 2]
+        results[label] = (last, traces[label])
         print(f"{label:<15} step {last['timing_s/step']:7.2f} s  gen {last['timing_s/gen']:6.2f}  "
               f"old {last.get('timing_s/old_log_prob', 0):6.2f}  ref {last.get('timing_s/ref', 0):6.2f}  "
               f"update {last['timing_s/update_actor']:6.2f}  score {last['critic/score/mean']:.4f}", flush=True)

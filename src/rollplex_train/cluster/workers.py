@@ -96,7 +96,7 @@ class RolloutWorker:
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
                         weights_version: Optional[int] = None):
         """Ray streaming generator (call with ``.options(num_returns="streaming")``): one object per
-        finished group, a list of its responses."""
+        batch of finished groups, the list of their responses."""
         yield from self.engine.generate_stream(prompts, params, weights_version)
 
 

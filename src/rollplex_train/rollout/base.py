@@ -95,13 +95,12 @@ class RolloutEngine(abc.ABC):
     def generate_stream(
         self, prompts: list[PromptSample], params: SamplingParams, weights_version: Optional[int] = None
     ) -> Iterator[list[Response]]:
-        """Like ``generate``, but yield each prompt's ``params.n`` responses as soon as all of them
-        are finished (completion order; ``Response.prompt_index`` tells the prompt), so suffix work
-        of early groups can start during the decode tail. Engines that cannot stream yield every
-        group when the whole request is done (this default)."""
-        responses = self.generate(prompts, params, weights_version)
-        for start in range(0, len(responses), params.n):
-            yield responses[start : start + params.n]
+        """Like ``generate``, but yield the responses of whole groups (all ``params.n`` responses of
+        each of one or more prompts; ``Response.prompt_index`` tells the prompt) as soon as they are
+        finished, so suffix work of early groups can start during the decode tail. The groups still
+        decoding when a batch of the request ends come in one item. Engines that cannot stream yield
+        everything in one item when the request is done (this default)."""
+        yield self.generate(prompts, params, weights_version)
 
     def set_compute_share(self, threads: int) -> None:
         """This engine's share of the device from now on: on CPU the torch threads of the decode

@@ -85,8 +85,8 @@ class BuiltinRolloutEngine(RolloutEngine):
     # ---- protocol -------------------------------------------------------------------------------
     def generate(self, prompts: list[PromptSample], params: SamplingParams,
                  weights_version: Optional[int] = None) -> list[Response]:
-        groups = self.generate_stream(prompts, params, weights_version)
-        return sorted((r for group in groups for r in group), key=lambda r: r.prompt_index)  # stable
+        finished = self.generate_stream(prompts, params, weights_version)
+        return sorted((r for item in finished for r in item), key=lambda r: r.prompt_index)  # stable
 
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
                         weights_version: Optional[int] = None) -> Iterator[list[Response]]:
@@ -103,10 +103,10 @@ class BuiltinRolloutEngine(RolloutEngine):
         per_chunk = max(1, self.max_batch_size // params.n)
         for start in range(0, len(prompts), per_chunk):
             chunk = prompts[start : start + per_chunk]
-            for group in self._generate_chunk(chunk, params, gen):
-                for r in group:
+            for finished in self._generate_chunk(chunk, params, gen):
+                for r in finished:
                     r.prompt_index += start
-                yield group
+                yield finished
         if self._shared is not None:  # nothing wrote the weights while we decoded
             self._shared.check(self.weights_version)
 
@@ -177,8 +177,8 @@ class BuiltinRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def _generate_chunk(self, prompts: list[PromptSample], params: SamplingParams,
                         gen: torch.Generator) -> Iterator[list[Response]]:
-        """Decode ``prompts`` together; yield each group's n responses once all n are finished
-        (then the rest, in prompt order, when decoding ends)."""
+        """Decode ``prompts`` together; after a decode step that finished some groups, yield the
+        responses of those groups (all n of each), and when decoding ends, those of all the rest."""
         from transformers import DynamicCache
 
         model, n = self.model, params.n
@@ -242,8 +242,9 @@ class BuiltinRolloutEngine(RolloutEngine):
                     keep.append(row)
             if not keep or step == params.max_new_tokens - 1:
                 break
-            for index in [g for g, count in enumerate(left) if count == 0]:
-                yield group(index)
+            finished = [g for g, count in enumerate(left) if count == 0]
+            if finished:
+                yield [r for index in finished for r in group(index)]
             if len(keep) < len(alive):
                 sel = torch.tensor(keep, dtype=torch.long)
                 cache.batch_select_indices(sel)
@@ -257,6 +258,4 @@ class BuiltinRolloutEngine(RolloutEngine):
             num_real = num_real + 1
             tick = self._account(tick, 1)
 
-        for index in range(len(prompts)):
-            if left[index] >= 0:
-                yield group(index)
+        yield [r for index in range(len(prompts)) if left[index] >= 0 for r in group(index)]

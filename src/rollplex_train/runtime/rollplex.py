@@ -105,10 +105,11 @@ class RollplexSchedule(SerialSchedule):
                 ready, _ = ray.wait([stream, *pending, *(r for _, refs in tail for r in refs)], num_returns=1)
                 if stream in ready:
                     try:
-                        group = ray.get(next(stream))
-                        groups[group[0].prompt_index] = group
+                        for r in ray.get(next(stream)):
+                            groups.setdefault(r.prompt_index, []).append(r)
                     except StopIteration:
-                        decoding = False
+                        pass
+                    decoding = len(groups) < len(prompts)  # groups still decoding: we are in the tail
                 pending = [r for r in pending if r not in ready]
                 self._collect_tail(tail, timeout=0)
                 fresh = sorted(set(groups) - submitted)
