@@ -126,7 +126,7 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
     (disaggregated) changes no result over 3 steps; the rollplex step trace opens as Chrome JSON."""
     common = ["trainer.total_steps=3", "trainer.save_freq=3", "trainer.val_freq=0", "trainer.val_before_train=false",
               "data.rollout_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "model.shared_prefix=true",
-              "trainer.loggers=[jsonl]"]
+              "trainer.loggers=[jsonl]", "trainer.rollout_data_dir=rollouts"]
     runs = {}
     variants = {"serial": [], "disaggregated": [], "rollplex": [],
                 "rollplex+offload": ["memory.offload_optimizer=true"]}  # optimizer states to host and back
@@ -140,7 +140,14 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
     offloaded = [r["memory/offloaded_bytes"] for r in runs["rollplex+offload"][0]]
     assert offloaded[0] == 0 and offloaded[1] > 0 and offloaded[1:] == [r["memory/prefetched_bytes"]
                                                                         for r in runs["rollplex+offload"][0][1:]]
+    def rollouts(schedule: str, step: int) -> list[dict]:
+        return [json.loads(line) for line in (tmp_path / schedule / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+
     for schedule in ("disaggregated", "rollplex", "rollplex+offload"):
+        for step in (1, 2, 3):  # identical response tokens, rewards within 1e-6
+            a, b = rollouts("serial", step), rollouts(schedule, step)
+            assert [r["token_ids"] for r in b] == [r["token_ids"] for r in a], (schedule, step)
+            assert [r["score"] for r in b] == pytest.approx([r["score"] for r in a], abs=1e-6)
         other, w_other = runs[schedule]
         for a, b in zip(serial, other):
             for key in ("critic/score/mean", "reward/accuracy", "response_length/mean", "response_length/max"):

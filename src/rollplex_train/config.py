@@ -352,6 +352,9 @@ class TrainerConfig:
     progress_bar: bool = True
     trace_steps: list[int] = field(default_factory=list)
     """Steps whose phase timeline is written as a Chrome trace to ``output_dir/traces/step_<k>.json``."""
+    rollout_data_dir: Optional[str] = None
+    """Write every step's responses, token ids and scores to ``<dir>/<step>.jsonl`` (verl's
+    ``trainer.rollout_data_dir``); a relative path is under ``output_dir``. None: no dumps."""
 
     def __post_init__(self) -> None:
         _check_positive("trainer", "total_steps", self.total_steps)

@@ -30,6 +30,7 @@ from rollplex_train.models.loading import check_checkpoint_dir, load_tokenizer, 
 from rollplex_train.tracking.checkpoint import CheckpointManager, load_json, save_json
 from rollplex_train.tracking.loggers import Tracker
 from rollplex_train.tracking.progress import ProgressBar
+from rollplex_train.tracking.rollouts import dump_rollouts
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class Trainer:
                 metrics = self.schedule.run_step(prompts, self.step)
                 if self.step in cfg.trainer.trace_steps:
                     self.schedule.timeline.write_chrome_trace(self.output_dir / "traces" / f"step_{self.step}.json")
+                if cfg.trainer.rollout_data_dir:
+                    dump_rollouts(self.output_dir / cfg.trainer.rollout_data_dir, self.step, *self.schedule.last_rollout)
                 metrics["data/skipped"] = float(num_skipped)
                 metrics["data/skipped_total"] = float(sum(self.train_set.skipped.values()))
                 metrics["training/epoch"] = float(self.loader.state_dict().get("epoch", 0))

@@ -105,6 +105,7 @@ class SerialSchedule:
             batch = batching.to_train_batch(prompts, responses, self.pad_id)
             with tl.span("reward", "driver", t):
                 scores, metrics = batching.score_responses(self.reward, batch, responses)
+            self.last_rollout = (batch, responses, scores)  # for trainer.rollout_data_dir
             metrics.update(window_metrics)
             with tl.span("old_log_prob", "train", t):
                 batch.old_logprobs = self.log_probs(batch, "actor", temp)
