@@ -46,7 +46,7 @@ run: install assets
 	$(VENV)/bin/rollplex-train +experiment=$(EXPERIMENT)
 
 test: install assets
-	$(VPY) -m pytest -q -x tests
+	$(VPY) -m pytest -q -x --durations=10 tests
 
 clean:
 	rm -rf $(ARTIFACTS) outputs

@@ -116,7 +116,7 @@ def test_missing_column_fails_before_any_worker_starts(embedded_assets, run_cli,
     pq.write_table(table, bad)
     out = tmp_path / "run"
     proc = run_cli(out, f"data.train_files={bad}")
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr  # one line, not Hydra's traceback
     assert "no_answer.parquet" in proc.stderr and "'answer'" in proc.stderr
     assert not (out / "ray").exists()  # failed before Ray (and any worker) started
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -23,6 +24,19 @@ def conf_dir() -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _user_errors(program: str):
+    """Turn a bad config value, a missing file or bad data into one line on stderr and exit code 2
+    (instead of Hydra's wrapped traceback); other errors keep their traceback."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        yield
+    except (ValueError, FileNotFoundError, NotImplementedError, OmegaConfBaseException) as err:
+        sys.stderr.write(f"{program}: error: {err}\n")
+        raise SystemExit(2) from err
+
+
 def _train(cfg) -> None:
     from rollplex_train.config import to_config
     from rollplex_train.trainer import Trainer
@@ -30,11 +44,13 @@ def _train(cfg) -> None:
     import datasets
     import transformers
 
-    config = to_config(cfg)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
-    Trainer(config, Path(config.trainer.output_dir)).fit()
+    with _user_errors("rollplex-train"):  # config, files and data are checked before Ray starts
+        config = to_config(cfg)
+        trainer = Trainer(config, Path(config.trainer.output_dir))
+    trainer.fit()
 
 
 def train_main() -> None:
@@ -59,8 +75,9 @@ def _plan(kind: str, cfg) -> None:
 
     from rollplex_train.config import to_config
 
-    config = to_config(cfg)
-    text = importlib.import_module(PLANS[kind]).report(config)
+    with _user_errors(f"rollplex-plan {kind}"):
+        config = to_config(cfg)
+        text = importlib.import_module(PLANS[kind]).report(config)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
 
 
@@ -77,8 +94,9 @@ def plan_main() -> None:
     from rollplex_train.config import register_configs
 
     if len(sys.argv) < 2 or sys.argv[1] not in PLANS:
-        sys.stderr.write(f"usage: rollplex-plan {{{'|'.join(PLANS)}}} +experiment=<name> [key=value ...]\n")
-        raise SystemExit(2)
+        given = f"unknown subcommand {sys.argv[1]!r}; " if len(sys.argv) > 1 and sys.argv[1] not in ("-h", "--help") else ""
+        sys.stderr.write(f"{given}usage: rollplex-plan {{{'|'.join(PLANS)}}} +experiment=<name> [key=value ...]\n")
+        raise SystemExit(0 if given == "" and len(sys.argv) > 1 else 2)
     kind = sys.argv.pop(1)
     sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=stdout", "hydra/hydra_logging=none"]
     register_configs()

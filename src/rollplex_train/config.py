@@ -251,8 +251,9 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         _check_choice("cluster", "device_share", self.device_share, ("cores", "streams", "mps"))
-        if self.device_share != "cores" and self.num_gpus == 0:
-            raise ValueError(f"cluster.device_share={self.device_share!r} shares a GPU: it needs cluster.num_gpus > 0")
+        if self.device_share != "cores":
+            raise ValueError(f"cluster.device_share={self.device_share!r}: the GPU device shares (CUDA streams / "
+                             "MPS) are not built yet; use 'cores'")
         if self.num_cpus is not None:
             _check_positive("cluster", "num_cpus", self.num_cpus)
 

@@ -21,20 +21,32 @@ _MAX_RAY_TMP_LEN = 32
 
 def ray_temp_dir(output_dir: Path) -> str:
     """The run's Ray temp dir: ``<output_dir>/ray`` when short enough for Ray's socket paths, else
-    a short ``/tmp/rp-ray-*`` dir linked from ``<output_dir>/ray`` and removed at exit."""
-    target = (output_dir / "ray").resolve()
+    a short ``/tmp/rp-ray-*`` dir whose session logs are copied into ``<output_dir>/ray`` at exit
+    (after Ray's own exit handler has shut it down) before the short dir is removed."""
+    target = output_dir.absolute() / "ray"
+    if target.is_symlink():  # left by an older version of this function
+        target.unlink()
     if len(str(target)) <= _MAX_RAY_TMP_LEN:
         target.mkdir(parents=True, exist_ok=True)
         return str(target)
     short = tempfile.mkdtemp(prefix="rp-ray-")
-    atexit.register(shutil.rmtree, short, True)  # runs after Ray's own exit handler (registered later)
-    if target.is_symlink():
-        target.unlink()
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.symlink_to(short)
-    log.info("Ray temp dir %s (linked from %s: the path is too long for Ray's sockets)", short, target)
+    atexit.register(_keep_logs, Path(short), target)  # runs after Ray's exit handler (registered later)
+    log.info("Ray temp dir %s (the output path is too long for Ray's sockets); its logs are copied to %s "
+             "at exit", short, target)
     return short
+
+
+def _keep_logs(short: Path, target: Path) -> None:
+    """Copy ``short/session_*/logs`` to ``target/session_*/logs``, then remove ``short``."""
+    try:
+        for session in short.glob("session_*"):
+            if session.is_dir() and not session.is_symlink() and (session / "logs").is_dir():
+                shutil.copytree(session / "logs", target / session.name / "logs", dirs_exist_ok=True,
+                                ignore_dangling_symlinks=True)
+    except OSError as err:  # never let log copying hide the run's own exit status
+        log.warning("could not copy the Ray logs from %s to %s: %s", short, target, err)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def start_ray(cfg: Config, output_dir: Path) -> None:

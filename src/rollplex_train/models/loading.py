@@ -41,7 +41,8 @@ def check_checkpoint_dir(path: str | Path) -> Path:
     if not cfg.is_file():
         raise FileNotFoundError(
             f"model.path={str(path)!r}: no config.json there; expected a local HF checkpoint directory "
-            "(build the tiny one with `make assets` or scripts/make_tiny_checkpoint.py)"
+            "(build the tiny one with `make assets`, the small one with `make assets-small`, or use "
+            "scripts/make_tiny_checkpoint.py)"
         )
     model_type = json.loads(cfg.read_text()).get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:

@@ -126,8 +126,11 @@ class RollplexSchedule(SerialSchedule):
                 ray.get(pending)
                 self._collect_tail(tail, timeout=None)
         self._set_share(full, share, t)
+        scored = set(self.streamed["actor"])  # their old/ref suffixes already ran (in the tail)
+        after_tasks = [n for n in plan.after_tasks
+                       if n.split("/")[1] == "actor" or int(n.split("/")[2][1:]) not in scored]
         with tl.span("prefix_after", "train", t):
-            after = ray.get(self._submit(prompts, prefix_calls(plan.after_tasks)))
+            after = ray.get(self._submit(prompts, prefix_calls(after_tasks)))
         results = ray.get(window) + after
         responses = [r for i in range(len(prompts)) for r in groups[i]]
         self._observe(responses, results, ray.get(w.rollout.decode_stats.remote()), len(prompts))

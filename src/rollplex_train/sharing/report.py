@@ -110,8 +110,12 @@ def report(config) -> str:
     if config.actor.pipeline_parallel_size > 1:
         lines.append(f"note: actor.pipeline_parallel_size={config.actor.pipeline_parallel_size}: the plan covers "
                      "TP only; layers of other pipeline stages are gathered")
-    totals = share_totals(shapes, dims, t=t, r=r, train=train, rollout=rollout, split_qkv=opts.split_qkv,
-                          split_gate_up=opts.split_gate_up, itemsize=itemsize)
+    try:
+        totals = share_totals(shapes, dims, t=t, r=r, train=train, rollout=rollout, split_qkv=opts.split_qkv,
+                              split_gate_up=opts.split_gate_up, itemsize=itemsize)
+    except ValueError as err:
+        raise ValueError(f"actor.tensor_parallel_size={t}, rollout.tensor_parallel_size={r}: "
+                         f"cannot split {config.model.hf_config or config.model.path}: {err}") from err
     view, rebuild, gather, _ = _pcts(totals)
     lines.append(f"options: split_qkv={opts.split_qkv} split_gate_up={opts.split_gate_up} "
                  f"(sharing.enabled={opts.enabled})")
