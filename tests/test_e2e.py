@@ -105,6 +105,9 @@ def test_resume_after_kill_matches_uninterrupted(uninterrupted, run_cli, reward_
     assert len(compared) > 20
     for key in compared:
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+    # the planner's calibration is checkpointed: the resumed step is placed as the uninterrupted one
+    for key in ("planner/profiling", "planner/decode_share", "planner/train_share"):
+        assert got[key] == expected[key], key
 
 
 def test_missing_column_fails_before_any_worker_starts(embedded_assets, run_cli, tmp_path):

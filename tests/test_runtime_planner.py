@@ -146,3 +146,14 @@ def test_planner_never_outlasts_decode_or_the_memory_budget():
 def test_prefix_calls_batch_consecutive_roles():
     names = ["prefix/old/g0", "prefix/old/g1", "prefix/ref/g0", "prefix/actor/g0", "prefix/old/g2"]
     assert prefix_calls(names) == [("old", [0, 1]), ("ref", [0]), ("actor", [0]), ("old", [2])]
+
+
+def test_cost_model_state_round_trips_through_json():
+    import json
+
+    cost = calibrated()
+    restored = CostModel()
+    restored.load_state_dict(json.loads(json.dumps(cost.state_dict())))
+    assert restored.rates == cost.rates and restored.counts == cost.counts and restored.switch_s == cost.switch_s
+    g = graph(num_groups=4, response=8000)
+    assert PhasePlanner(2).plan(g, restored).__dict__ == PhasePlanner(2).plan(g, cost).__dict__

@@ -171,6 +171,7 @@ class Trainer:
             "step": self.step,
             "loader": self.loader.state_dict(),
             "weights_version": self.schedule.weights_version,
+            "schedule": self.schedule.state_dict(),
             "python_rng": repr(random.getstate()),
             "numpy_seed_state": int(np.random.get_state()[1][0]),
             "torch_seed": int(torch.initial_seed()),
@@ -185,6 +186,7 @@ class Trainer:
         state = load_json(Path(path) / "trainer_state.json")
         version = ray.get(self.schedule.workers.train.load_checkpoint.remote(str(path)))
         self.loader.load_state_dict(state["loader"])
+        self.schedule.load_state_dict(state.get("schedule", {}))
         self.step = int(state["step"])
         if version > 0:
             self.schedule.sync_weights(version)

@@ -104,6 +104,18 @@ class CostModel:
         """Predicted seconds of ``tokens`` of ``kind`` on ``threads`` threads (0 for no tokens)."""
         return 0.0 if tokens <= 0 else tokens * self.rate(kind, threads)
 
+    def state_dict(self) -> dict:
+        """JSON-ready state (rates, measurement counts, switch cost) for the driver's checkpoint."""
+        return {"rates": {k: {str(c): r for c, r in v.items()} for k, v in self.rates.items()},
+                "counts": [[kind, threads, n] for (kind, threads), n in self.counts.items()],
+                "switch_s": self.switch_s}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (a resumed run plans at once, no re-profiling)."""
+        self.rates = {k: {int(c): float(r) for c, r in v.items()} for k, v in state["rates"].items()}
+        self.counts = {(kind, int(threads)): int(n) for kind, threads, n in state["counts"]}
+        self.switch_s = state["switch_s"]
+
     def metrics(self) -> dict[str, float]:
         """``cost/<kind>@<threads>``: the current rates in microseconds per token (step metrics)."""
         return {f"cost/{kind}@{threads}": rate * 1e6 for kind, by_threads in self.rates.items()

@@ -60,6 +60,18 @@ class RollplexSchedule(SerialSchedule):
         self.bytes_per_token: dict[str, float] = {}
         self.last_plan: WindowPlan | None = None
 
+    def state_dict(self) -> dict:
+        """The calibrated cost model and size estimates: a resumed run plans without re-profiling."""
+        return {"cost": self.cost.state_dict(), "response_tokens": self.response_tokens,
+                "decode_steps": self.decode_steps, "bytes_per_token": dict(self.bytes_per_token)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:  # a checkpoint written by another schedule
+            return
+        self.cost.load_state_dict(state["cost"])
+        self.response_tokens, self.decode_steps = int(state["response_tokens"]), int(state["decode_steps"])
+        self.bytes_per_token = {k: float(v) for k, v in state["bytes_per_token"].items()}
+
     def _graph(self, prompts: list[PromptSample]):
         cfg = self.cfg
         mini = cfg.actor.ppo_mini_batch_size if cfg.actor.ppo_mini_batch_size > 0 else len(prompts)

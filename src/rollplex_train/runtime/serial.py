@@ -86,6 +86,13 @@ class SerialSchedule:
                 prompts, sampling_params(self.cfg, step), self.weights_version))
         return responses, {}
 
+    def state_dict(self) -> dict:
+        """Schedule state worth keeping across a resume (none for the serial phases)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (from a checkpoint's trainer_state.json)."""
+
     def log_probs(self, batch, role: str, temperature: float):
         """(B, R) float32 log-probs of every response under ``role`` (``actor``: the old policy,
         ``ref``: the reference), computed by the training worker."""
