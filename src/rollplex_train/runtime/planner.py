@@ -101,14 +101,12 @@ class PhasePlanner:
         decode_steps = graph.decode_steps
         baseline = cost.seconds("decode", decode_steps, self.total) + sum(
             cost.seconds(t.kind, t.tokens, self.total) for t in movable)
-        best = WindowPlan("plan", self.total, 0, [], run_order(movable), baseline, baseline)
-        best.candidates["no_overlap"] = baseline
-        for train_share in range(1, self.total):
-            plan = self._overlap(movable, decode_steps, self.total - train_share, train_share, cost)
-            plan.predicted_no_overlap_s = baseline
-            best.candidates[f"overlap_{plan.decode_share}_{train_share}"] = plan.predicted_s
-            if plan.predicted_s < best.predicted_s:
-                best.__dict__.update({k: v for k, v in plan.__dict__.items() if k != "candidates"})
+        plans = [WindowPlan("plan", self.total, 0, [], run_order(movable), baseline)]
+        plans += [self._overlap(movable, decode_steps, self.total - c, c, cost) for c in range(1, self.total)]
+        best = min(plans, key=lambda p: p.predicted_s)  # the first minimum: no overlap wins a tie
+        best.predicted_no_overlap_s = baseline
+        best.candidates = {"no_overlap" if p.train_share == 0 else f"overlap_{p.decode_share}_{p.train_share}":
+                           p.predicted_s for p in plans}
         return best
 
     def _fit_memory(self, tasks: list[Task]) -> list[Task]:

@@ -59,6 +59,7 @@ class RollplexSchedule(SerialSchedule):
         self.decode_steps = cfg.rollout.max_new_tokens  # of the whole rollout, until measured
         self.bytes_per_token: dict[str, float] = {}
         self.last_plan: WindowPlan | None = None
+        self.streamed: dict[str, dict] = {"actor": {}, "ref": {}}  # role -> group -> tail log-probs
 
     def state_dict(self) -> dict:
         """The calibrated cost model and size estimates: a resumed run plans without re-profiling."""
@@ -83,12 +84,15 @@ class RollplexSchedule(SerialSchedule):
             actor_bytes_per_token=self.bytes_per_token.get("actor", 0.0),
         )
 
-    def _reshare(self, rollout_threads: int, train_threads: int, t: dict[str, float]) -> None:
-        """Change the device shares; the round trip is the measured switching cost."""
-        with self.timeline.span("reshare", "driver", t):
-            begin = time.perf_counter()
-            self.workers.share_threads(rollout_threads, train_threads)
-            self.cost.observe_switch(time.perf_counter() - begin)
+    def _set_share(self, wanted: tuple[int, int], current: tuple[int, int], t: dict[str, float]) -> tuple[int, int]:
+        """Change the (rollout, train) thread shares if ``wanted`` differs from ``current``; the round
+        trip is the measured switching cost. Returns the shares now in effect."""
+        if wanted != current:
+            with self.timeline.span("reshare", "driver", t):
+                begin = time.perf_counter()
+                self.workers.share_threads(*wanted)
+                self.cost.observe_switch(time.perf_counter() - begin)
+        return wanted
 
     def _submit(self, prompts: list[PromptSample], calls: list[tuple[str, list[int]]]) -> list:
         return [self.workers.train.precompute_prefixes.remote([prompts[i] for i in groups], [role], self.weights_version)
@@ -98,7 +102,7 @@ class RollplexSchedule(SerialSchedule):
         w, tl, total = self.workers, self.timeline, self.workers.threads
         plan = self.last_plan = self.planner.plan(self._graph(prompts), self.cost)
         full = (total, total)
-        split = (plan.decode_share, plan.train_share) if plan.overlaps else (max(1, (total + 1) // 2), total // 2)
+        split = (plan.decode_share, plan.train_share) if plan.overlaps else w.halves()
         stream_suffix = self.cfg.schedule.stream_suffix and total > 1 and plan.mode != "profile_serial"
         self.streamed = {"actor": {}, "ref": {}}
         roles = ["actor"] + (["ref"] if self.cfg.algorithm.needs_reference else [])
@@ -146,14 +150,9 @@ class RollplexSchedule(SerialSchedule):
         results = ray.get(window) + after
         responses = [r for i in range(len(prompts)) for r in groups[i]]
         self._observe(responses, results, ray.get(w.rollout.decode_stats.remote()), len(prompts))
-        metrics = self._metrics(plan, results, gen_start, gen_end, t)
+        metrics = self._metrics(plan, results, gen_start, gen_end)
         metrics["rollplex/tail_groups"] = float(len(self.streamed["actor"]))
         return responses, metrics
-
-    def _set_share(self, wanted: tuple[int, int], current: tuple[int, int], t: dict[str, float]) -> tuple[int, int]:
-        if wanted != current:
-            self._reshare(*wanted, t)
-        return wanted
 
     def _collect_tail(self, tail: list, timeout) -> None:
         """Move finished suffix calls of the decode tail into ``self.streamed[role][prompt index]``
@@ -171,7 +170,7 @@ class RollplexSchedule(SerialSchedule):
 
     def log_probs(self, batch, role: str, temperature: float):
         """Suffix log-probs: groups scored during the decode tail are reused, the rest computed now."""
-        scored = getattr(self, "streamed", {}).get(role, {})
+        scored = self.streamed.get(role, {})
         if not scored:
             return super().log_probs(batch, role, temperature)
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
@@ -199,11 +198,10 @@ class RollplexSchedule(SerialSchedule):
             held = r["prefix/bytes_held"]
         self.response_tokens = max(1, round(sum(len(x.token_ids) for x in responses) / num_groups))
 
-    def _metrics(self, plan: WindowPlan, results: list[dict], gen_start: float, gen_end: float,
-                 t: dict[str, float]) -> dict[str, float]:
+    def _metrics(self, plan: WindowPlan, results: list[dict], gen_start: float, gen_end: float) -> dict[str, float]:
         """Spans of the worker-side prefix tasks, hidden/idle fractions and the planner's numbers."""
         tl = self.timeline
-        prefix_s = hidden_s = busy_in_window = 0.0
+        prefix_s = hidden_s = 0.0  # hidden: prefix seconds inside the decode window
         by_role: dict[str, float] = defaultdict(float)
         for r in results:
             start, end = r["prefix/start_time"] - tl.origin, r["prefix/end_time"] - tl.origin
@@ -212,14 +210,12 @@ class RollplexSchedule(SerialSchedule):
             for role in roles:
                 by_role[role] += r[f"prefix/{role}/seconds"]
             prefix_s += end - start
-            overlap = max(0.0, min(end, gen_end) - max(start, gen_start))
-            hidden_s += overlap
-            busy_in_window += overlap
+            hidden_s += max(0.0, min(end, gen_end) - max(start, gen_start))
         decode_s = gen_end - gen_start
         metrics = {
             "rollplex/prefix_s": prefix_s,
             "rollplex/prefix_hidden_frac": hidden_s / prefix_s if prefix_s > 0 else 1.0,
-            "rollplex/decode_idle_frac": max(0.0, decode_s - busy_in_window) / decode_s if decode_s > 0 else 0.0,
+            "rollplex/decode_idle_frac": max(0.0, decode_s - hidden_s) / decode_s if decode_s > 0 else 0.0,
             "rollplex/window_tasks": float(len(plan.window_tasks)),
             "rollplex/after_tasks": float(len(plan.after_tasks)),
             "rollplex/window_bytes": float(plan.window_bytes),
