@@ -233,29 +233,60 @@ class RewardConfig:
 
 @dataclass(kw_only=True)
 class ClusterConfig:
-    """The Ray cluster that holds the colocated rollout and training workers."""
+    """The devices of the run and the Ray cluster that holds the colocated workers.
 
+    The devices are ``nnodes x devices_per_node``; on each one a training rank and (a share of) a
+    rollout engine sit on one placement-group bundle. The degrees laid over them are read from one
+    :class:`rollplex_train.parallel.ParallelLayout`.
+    """
+
+    device: str = "cpu"
+    """``cpu`` (a device is ``threads_per_device`` cores) or ``cuda`` (a device is one GPU)."""
+    nnodes: int = 1
+    """Nodes of the run."""
+    devices_per_node: int = 1
+    """Devices used on each node (GPUs, or CPU core sets)."""
+    threads_per_device: Optional[int] = None
+    """CPU runs: torch threads of a device's workers (None: the node's cores / devices_per_node)."""
+    executor: str = "ray"
+    """``ray`` (one actor per worker, on a placement group) or ``inprocess`` (the same worker groups
+    with the engines in the driver process: one device, no Ray; tests and GPU benchmarks)."""
     address: Optional[str] = None
     """Existing Ray cluster (``auto`` or ``host:port``); None starts a local one."""
     num_cpus: Optional[int] = None
     """CPUs given to a local Ray cluster (None: all cores)."""
-    num_gpus: int = 0
-    """GPUs of the colocated worker group, all nodes together (0: CPU run)."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU in GiB (the residency planner's device budget)."""
     object_store_memory_bytes: int = 200 * 1024**2
-    threads_per_worker: Optional[int] = None
-    """torch intra-op threads in each worker (None: the cluster's CPUs)."""
     device_share: str = "cores"
     """How colocated workers share a device: ``cores`` (CPU), ``streams`` or ``mps`` (GPU)."""
 
     def __post_init__(self) -> None:
+        from rollplex_train.parallel import DEVICES
+
+        _check_choice("cluster", "device", self.device, DEVICES)
+        _check_choice("cluster", "executor", self.executor, ("ray", "inprocess"))
         _check_choice("cluster", "device_share", self.device_share, ("cores", "streams", "mps"))
         if self.device_share != "cores":
             raise ValueError(f"cluster.device_share={self.device_share!r}: the GPU device shares (CUDA streams / "
                              "MPS) are not built yet; use 'cores'")
-        if self.num_cpus is not None:
-            _check_positive("cluster", "num_cpus", self.num_cpus)
+        for key in ("nnodes", "devices_per_node"):
+            _check_positive("cluster", key, getattr(self, key))
+        for key in ("num_cpus", "threads_per_device"):
+            if getattr(self, key) is not None:
+                _check_positive("cluster", key, getattr(self, key))
+        if self.executor == "inprocess" and (self.nnodes * self.devices_per_node != 1 or self.address):
+            raise ValueError(f"cluster.executor=inprocess runs one device in the driver: it needs cluster.nnodes=1, "
+                             f"cluster.devices_per_node=1 and no cluster.address (got {self.nnodes} x "
+                             f"{self.devices_per_node}, address={self.address!r})")
+
+    def resolved_threads_per_device(self) -> int:
+        """``threads_per_device``, or this node's cores (``num_cpus`` or all) split over its devices."""
+        import os
+
+        if self.threads_per_device is not None:
+            return self.threads_per_device
+        return max(1, (self.num_cpus or os.cpu_count() or 1) // self.devices_per_node)
 
 
 @dataclass(kw_only=True)
@@ -381,6 +412,9 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
+        from rollplex_train.parallel import ParallelLayout
+
+        ParallelLayout.from_config(self)  # degrees that do not fit the devices fail here, naming the keys
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
         mini = self.actor.ppo_mini_batch_size

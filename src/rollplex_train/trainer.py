@@ -55,9 +55,9 @@ class Trainer:
         get_adv_estimator(cfg.algorithm.adv_estimator)
         ROLLOUT_ENGINES.get(cfg.rollout.name)
         TRAIN_ENGINES.get(cfg.actor.backend)
-        if cfg.cluster.num_gpus > 0 and cfg.cluster.address is None and torch.cuda.device_count() == 0:
-            raise ValueError(f"cluster.num_gpus={cfg.cluster.num_gpus}: no GPU is visible on this machine "
-                             "(torch.cuda.device_count() == 0); use cluster.num_gpus=0 for a CPU run")
+        if cfg.cluster.device == "cuda" and cfg.cluster.address is None and torch.cuda.device_count() == 0:
+            raise ValueError("cluster.device=cuda: no GPU is visible on this machine "
+                             "(torch.cuda.device_count() == 0); use cluster.device=cpu for a CPU run")
         check_checkpoint_dir(cfg.model.path)
         self.tokenizer = load_tokenizer(cfg.model.path)
         merge = load_vision_spec(cfg.model.path).merge_size

@@ -101,8 +101,8 @@ def create_worker_group(cfg: Config) -> WorkerGroup:
 
     from rollplex_train.cluster.workers import RolloutWorker, TrainWorker
 
-    threads = cfg.cluster.threads_per_worker or cfg.cluster.num_cpus or os.cpu_count() or 1
-    opts = dict(num_cpus=0, num_gpus=cfg.cluster.num_gpus / 2 if cfg.cluster.num_gpus else 0)
+    threads = cfg.cluster.resolved_threads_per_device()
+    opts = dict(num_cpus=0, num_gpus=0.5 if cfg.cluster.device == "cuda" else 0)
     authkey = os.urandom(32) if cfg.sharing.enabled else None
     # max_concurrency=2: a share change (set_threads) reaches the rollout worker while it decodes
     rollout = ray.remote(RolloutWorker).options(max_concurrency=2, **opts).remote(

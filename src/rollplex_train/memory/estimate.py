@@ -312,9 +312,11 @@ def param_bytes_of(cfg: "Config") -> int:
 
 
 def layout_of(cfg: "Config") -> Layout:
-    """The :class:`Layout` of ``cfg`` (``cluster.num_gpus``, actor/rollout TP and PP degrees);
-    ``cluster.num_gpus=0`` (the CPU run) is one device that holds everything."""
-    return Layout(num_gpus=max(1, cfg.cluster.num_gpus), actor_tp=cfg.actor.tensor_parallel_size,
+    """The :class:`Layout` of ``cfg``: the devices of its :class:`ParallelLayout`, actor/rollout TP
+    and PP degrees."""
+    from rollplex_train.parallel import ParallelLayout
+
+    return Layout(num_gpus=ParallelLayout.from_config(cfg).world_size, actor_tp=cfg.actor.tensor_parallel_size,
                   actor_pp=cfg.actor.pipeline_parallel_size, rollout_tp=cfg.rollout.tensor_parallel_size)
 
 

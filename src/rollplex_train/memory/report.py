@@ -69,9 +69,9 @@ def report(config: "Config") -> str:
     """
     from rollplex_train.models.arch import load_hf_config
 
-    if config.cluster.num_gpus == 0:
-        raise ValueError("rollplex-plan memory plans GPU memory per device, but cluster.num_gpus=0 (a CPU run): "
-                         "set cluster.num_gpus, or use a GPU experiment (qwen25vl7b_geo3k, qwen25vl32b_embodied)")
+    if config.cluster.device != "cuda":
+        raise ValueError("rollplex-plan memory plans GPU memory per device, but cluster.device=cpu (a CPU run): "
+                         "set cluster.device=cuda, or use a GPU experiment (qwen25vl7b_geo3k, qwen25vl32b_embodied)")
     hf = load_hf_config(config.model)
     naive = step_groups(config, hf, "naive")
     serial = step_groups(config, hf, "serial")
