@@ -415,6 +415,14 @@ class Config:
         from rollplex_train.parallel import ParallelLayout
 
         ParallelLayout.from_config(self)  # degrees that do not fit the devices fail here, naming the keys
+        a, r = self.actor, self.rollout
+        if a.backend == "torch" and (a.tensor_parallel_size > 1 or a.pipeline_parallel_size > 1):
+            raise ValueError(f"actor.tensor_parallel_size={a.tensor_parallel_size}, actor.pipeline_parallel_size="
+                             f"{a.pipeline_parallel_size}: actor.backend=torch is data parallel only "
+                             "(TP/PP need actor.backend=megatron)")
+        if r.name == "builtin" and r.tensor_parallel_size > 1:
+            raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the builtin rollout engine "
+                             "runs on one device (TP needs rollout.name=sglang)")
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
         mini = self.actor.ppo_mini_batch_size

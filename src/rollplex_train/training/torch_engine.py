@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from rollplex_train.algo.losses import agg_loss, batch_counts, kl_loss, policy_loss
+from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.models.loading import load_model, load_tokenizer
@@ -51,10 +51,17 @@ class TorchTrainEngine(TrainEngine):
         model: model section (checkpoint path, dtype, frozen vision tower).
         actor: optimizer and PPO settings. algorithm: KL settings.
         seed: seeds torch before the optimizer is built.
+        layout: the run's :class:`rollplex_train.parallel.ParallelLayout` (None: one process).
+        rank: this process's training rank; with DP > 1 torch.distributed is initialised over all
+            ranks before the engine is built (``training/parallelize.py``).
     """
 
-    def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1):
+    def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1,
+                 layout=None, rank: int = 0):
+        from rollplex_train.training.parallelize import parallelize_torch
+
         torch.manual_seed(seed)
+        self.rank = rank
         self.model_cfg, self.cfg, self.algo = model, actor, algorithm
         self.actor = load_model(model.path, model.dtype, model.attn_implementation)
         self.tokenizer = load_tokenizer(model.path)
@@ -65,6 +72,7 @@ class TorchTrainEngine(TrainEngine):
         if model.freeze_vision_tower:
             self.actor.model.visual.requires_grad_(False)
         self.params = [p for p in self.actor.parameters() if p.requires_grad]
+        self.dp = parallelize_torch(self.params, layout, rank)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay
         )
@@ -202,16 +210,16 @@ class TorchTrainEngine(TrainEngine):
             raise ValueError("algorithm.use_kl_loss is on but batch.ref_logprobs is missing")
         num_prompts = len(batch.prompts)
         mini = self.cfg.ppo_mini_batch_size if self.cfg.ppo_mini_batch_size > 0 else num_prompts
+        specs = batch.plan_mini_batches(max(1, mini))
         sums: dict[str, float] = {}
         count = 0
         if self._shared is not None:  # in-place writes ahead: the rollout refuses until publish_weights
             self._shared.begin_update()
         self.actor.train()
         for _ in range(self.cfg.ppo_epochs):
-            for start in range(0, num_prompts, mini):
-                prompt_ids = set(range(start, min(start + mini, num_prompts)))
-                rows = torch.tensor([i for i, g in enumerate(batch.group_index.tolist()) if g in prompt_ids])
-                metrics = self._update_mini_batch(batch, rows, use_kl, temperature)
+            for spec in specs:
+                metrics = self._update_mini_batch(batch, batch.rows_of(spec.groups), use_kl, temperature,
+                                                  spec.num_tokens, spec.num_seqs)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
@@ -237,10 +245,11 @@ class TorchTrainEngine(TrainEngine):
             out.append(ids - {None})
         return out
 
-    def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool,
-                           temperature: float) -> dict[str, float]:
+    def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool, temperature: float,
+                           num_tokens: int, num_seqs: int) -> dict[str, float]:
+        """One optimizer step over this rank's ``rows`` of a mini-batch of ``num_tokens`` response
+        tokens in ``num_seqs`` responses over all DP ranks; gradients summed over the DP group."""
         cfg = self.cfg
-        num_tokens, num_seqs = batch_counts(batch.response_mask.index_select(0, rows))
         metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0,
                    "actor/kl_loss": 0.0, "actor/entropy": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
@@ -269,6 +278,8 @@ class TorchTrainEngine(TrainEngine):
                 loss = loss + self.algo.kl_coef * kl
             # a precomputed prefix graph shared with a later micro-batch must survive this backward
             loss.backward(retain_graph=bool(graphs[i] & set().union(*graphs[i + 1:])))
+        self.dp.all_reduce_grads()
+        metrics = self.dp.sum_metrics(metrics, tuple(metrics))  # each rank's share of the global means
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
         if math.isfinite(grad_norm):
@@ -313,7 +324,7 @@ class TorchTrainEngine(TrainEngine):
         return self._shared.export()
 
     def publish_weights(self, version: int) -> dict[str, float]:
-        from rollplex_train.rollout.base import StaleWeightsError
+        from rollplex_train.versioning import StaleWeightsError
 
         if self._shared is None:
             raise RuntimeError("publish_weights before export_shared_weights")
@@ -327,6 +338,10 @@ class TorchTrainEngine(TrainEngine):
         return weights_digest(self.actor)
 
     def save_checkpoint(self, directory: Path) -> None:
+        """Rank 0 writes the actor and the optimizer (DP replicas are identical: written once;
+        resuming on another DP size loads the same files)."""
+        if self.rank != 0:
+            return
         directory = Path(directory)
         torch.save(self.actor.state_dict(), directory / "actor.pt")
         torch.save(
