@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 from typing import Any, Callable, Iterable, Optional
 
 
@@ -26,6 +27,20 @@ class Pending:
     def __init__(self, futures: list[cf.Future], combine: Optional[Callable[[list], Any]] = None):
         self.futures = list(futures)
         self.combine = combine or (lambda values: values)
+        self.started = time.perf_counter()
+        self.finished_at: list[Optional[float]] = [None] * len(self.futures)
+        for i, f in enumerate(self.futures):
+            f.add_done_callback(lambda _, i=i: self.finished_at.__setitem__(i, time.perf_counter()))
+
+    def seconds(self) -> list[float]:
+        """Per worker, seconds from the call to its answer (after ``result()``)."""
+        return [end - self.started for end in self.finished_at if end is not None]
+
+    def imbalance(self) -> float:
+        """Slowest worker's seconds over the mean (1.0: balanced; ranks that queue behind other work
+        count as slow)."""
+        seconds = self.seconds()
+        return max(seconds) / max(1e-9, sum(seconds) / len(seconds)) if seconds else 1.0
 
     def done(self) -> bool:
         """True when every worker has answered (or failed)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import torch
 
@@ -45,6 +46,23 @@ def prefix_calls(task_names: list[str]) -> list[tuple[str, list[int]]]:
         else:
             calls.append((role, [int(group[1:])]))
     return calls
+
+
+ROLE_ORDER = {"old": 0, "ref": 1, "actor": 2}
+
+
+def _globalise(task_names: list[str], groups: list[int]) -> list[str]:
+    """Prefix task names of a DP rank's graph (``prefix/<role>/g<local>``) with global group indices."""
+    out = []
+    for name in task_names:
+        kind, role, group = name.split("/")
+        out.append(f"{kind}/{role}/g{groups[int(group[1:])]}")
+    return out
+
+
+def _run_order(task_names: list[str]) -> list[str]:
+    """Old-policy, reference, then actor prefixes, each by group (``planner.run_order``'s order)."""
+    return sorted(task_names, key=lambda n: (ROLE_ORDER[n.split("/")[1]], int(n.split("/")[2][1:])))
 
 
 class RollplexSchedule(SerialSchedule):
@@ -73,9 +91,31 @@ class RollplexSchedule(SerialSchedule):
         self.response_tokens, self.decode_steps = int(state["response_tokens"]), int(state["decode_steps"])
         self.bytes_per_token = {k: float(v) for k, v in state["bytes_per_token"].items()}
 
-    def _graph(self, prompts: list[PromptSample]):
+    def _plan(self, step_prompts) -> WindowPlan:
+        """One window plan per DP rank over its own groups (each device decodes and encodes only
+        its groups), merged: the window and after tasks of every rank (global group indices, in
+        run order), the shares and predictions of the rank with the longest predicted window (all
+        devices run the same share, and the driver waits for the slowest)."""
+        mini = self.groups_per_mini_batch(len(step_prompts.prompts))
+        plans = []
+        for groups in step_prompts.groups_of_dp:
+            if not groups:
+                continue
+            first = sum(g < mini for g in groups)  # this rank's groups in the first mini-batch
+            plan = self.planner.plan(self._graph([step_prompts.prompts[g] for g in groups], max(1, first)), self.cost)
+            keep = (lambda n: first > 0 or "/actor/" not in n)  # no actor prefix ahead of a foreign step
+            plans.append(replace(plan, window_tasks=_globalise([n for n in plan.window_tasks if keep(n)], groups),
+                                 after_tasks=_globalise([n for n in plan.after_tasks if keep(n)], groups)))
+        lead = max(plans, key=lambda p: (p.predicted_s or 0.0, len(p.window_tasks)))
+        return replace(lead, window_tasks=_run_order([t for p in plans for t in p.window_tasks]),
+                       after_tasks=_run_order([t for p in plans for t in p.after_tasks]),
+                       window_bytes=max(p.window_bytes for p in plans))
+
+    def _graph(self, prompts: list[PromptSample], first_mini_batch_groups: int):
+        """The task graph of one DP rank's groups; the first ``first_mini_batch_groups`` (>= 1) of
+        them belong to the first global mini-batch (their actor prefixes may run in the window)."""
         cfg = self.cfg
-        mini = cfg.actor.ppo_mini_batch_size if cfg.actor.ppo_mini_batch_size > 0 else len(prompts)
+        mini = first_mini_batch_groups
         return build_step_graph(
             [p.prompt_length for p in prompts], self.response_tokens, decode_steps=self.decode_steps,
             mini_batch_groups=mini,
@@ -102,7 +142,7 @@ class RollplexSchedule(SerialSchedule):
     def rollout_phase(self, step_prompts, step: int, t: dict[str, float]):
         w, tl, total = self.workers, self.timeline, self.workers.threads
         prompts = step_prompts.prompts
-        plan = self.last_plan = self.planner.plan(self._graph(prompts), self.cost)
+        plan = self.last_plan = self._plan(step_prompts)
         full = (total, total)
         split = (plan.decode_share, plan.train_share) if plan.overlaps else w.halves()
         stream_suffix = self.cfg.schedule.stream_suffix and total > 1 and plan.mode != "profile_serial"

@@ -52,6 +52,7 @@ class SerialSchedule:
         self.timeline = Timeline()  # the spans of the last step (Chrome trace / Gantt)
         self.sharing_metrics = {"sharing/shared_bytes_frac": 0.0}
         self.sync_metrics: dict[str, float] = {}
+        self.imbalance: dict[str, float] = {}  # timing_s/<phase>_imbalance of the last step (DP > 1)
         if cfg.sharing.enabled:
             self.share_weights()
 
@@ -108,7 +109,10 @@ class SerialSchedule:
         """(B, R) float32 log-probs of every response under ``role`` (``actor``: the old policy,
         ``ref``: the reference), computed by the training ranks on their DP parts."""
         parts = self.workers.train.parts(batch, self.step_prompts_for(batch), self.groups_per_mini_batch(len(batch.prompts)))
-        return self.workers.train.compute_log_probs(parts, role, temperature, batch.num_responses).result()
+        pending = self.workers.train.compute_log_probs(parts, role, temperature, batch.num_responses)
+        out = pending.result()
+        self.imbalance[f"timing_s/{'old_log_prob' if role == 'actor' else 'ref'}_imbalance"] = pending.imbalance()
+        return out
 
     def step_prompts_for(self, batch):
         """The step placement of ``batch``'s prompts (the whole step, or a sub-batch of groups:
@@ -124,6 +128,7 @@ class SerialSchedule:
         temp = cfg.rollout.temperature
         t: dict[str, float] = {}
         self.timeline = tl = Timeline()
+        self.imbalance: dict[str, float] = {}
         offload = ("optimizer",) if cfg.memory.offload_optimizer else ()
         with timer("step", t):
             if offload:  # queued before any window task: the states leave the device as decode starts
@@ -148,11 +153,15 @@ class SerialSchedule:
                     metrics["memory/prefetched_bytes"] = float(w.train.prefetch_states(offload).result())
             with tl.span("update_actor", "train", t):
                 parts = w.train.parts(batch, self.step_prompts, self.groups_per_mini_batch(len(prompts)))
-                metrics.update(w.train.update_actor(parts, temp).result())
+                pending = w.train.update_actor(parts, temp)
+                metrics.update(pending.result())
+                self.imbalance["timing_s/update_actor_imbalance"] = pending.imbalance()
             with tl.span("update_weights", "rollout", t):
                 self.sync_weights(self.weights_version + 1)
         metrics.update(batching.batch_metrics(batch, responses, cfg.rollout.max_new_tokens))
         metrics.update(timing_metrics(t))
+        if self.workers.train.dp_size > 1:  # slowest DP rank over the mean, per phase
+            metrics.update(self.imbalance)
         metrics["perf/total_num_tokens"] = float(batching.num_tokens(batch))
         metrics["perf/throughput"] = compute_throughput(batching.num_tokens(batch), t["step"],
                                                         num_devices=self.workers.layout.world_size)
