@@ -68,6 +68,13 @@ def test_rebuilt_buffers_are_the_share_plans_rebuilt_bytes():
     # the rollout tensors that are views cost nothing: the split options make every one a view
     split = _config("+experiment=qwen25vl32b_embodied", "sharing.split_qkv=true", "sharing.split_gate_up=true")
     assert {g.name: g for g in step_groups(split, hf, "rollplex")}["rollout_rebuilt"].nbytes == 0
+    # rollout TP 8 over training TP 4: a rollout rank is half a training shard, 55.5% of it rebuilt
+    r8 = _config("+experiment=qwen25vl32b_embodied", "rollout.tensor_parallel_size=8")
+    r8_groups = {g.name: g for g in step_groups(r8, hf, "rollplex")}
+    r8_totals = configured_device_totals(r8, hf)
+    assert r8_groups["rollout_rebuilt"].nbytes == rebuilt_bytes_per_device(r8_totals) > 0
+    r8_rollout = sum(r8_totals[0][a] for a in ("view", "strided_view", "local_rebuild", "gather"))
+    assert r8_groups["rollout_rebuilt"].nbytes / r8_rollout == pytest.approx(0.555, abs=0.001)
     # FSDP's flat shards are not a TP layout: the rollout keeps a copy, nothing is rebuilt
     fsdp = {g.name: g for g in step_groups(_config("+experiment=qwen25vl32b_embodied", "memory.train_strategy=fsdp"),
                                            hf, "rollplex")}
