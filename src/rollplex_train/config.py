@@ -306,8 +306,11 @@ class MemoryConfig:
     pinned_host_offload: bool = True
     """Let the residency plan move groups to pinned host memory between their uses (False: a group
     stays on the device from its first to its last use)."""
-    reserved_gib: float = 0.0
-    """Device memory per GPU kept out of the plan (CUDA context, communication buffers), in GiB."""
+    reserved_gib: float = 3.5
+    """Device memory per GPU the plan holds for what torch's allocator does not see, in GiB: two CUDA
+    contexts (train worker and rollout engine, ~0.75 GiB each: 781 MB measured in pytorch/pytorch#34323)
+    and three NCCL communicators (train TP, train DP, rollout TP; 544-688 MB each measured on A100 in
+    NVIDIA/nccl#964). A floor: more NVLink channels use more (NVIDIA/nccl#986); measure on the target."""
     fused_kernels: bool = True
     """Activations as fused kernels keep them (Megatron/TransformerEngine RMSNorm, RoPE, attention);
     False: as eager transformers modules do (the torch engine, HF-model FSDP), which keep more."""

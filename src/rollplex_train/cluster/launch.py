@@ -76,7 +76,7 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
         from rollplex_train.cluster.ray_cluster import start_ray
 
         start_ray(cfg, output_dir)
-        placement = create_device_placement(layout)
+        placement = create_device_placement(layout, timeout_s=300.0)
         executor = RayExecutor(placement)
         address = None
         if layout.world_size > 1:  # rendezvous on rank 0's node

@@ -49,14 +49,30 @@ def _keep_logs(short: Path, target: Path) -> None:
 
 
 def start_ray(cfg: Config, output_dir: Path) -> None:
-    """``ray.init`` a local cluster (temp dir under the run's output dir) or attach to ``cluster.address``."""
+    """``ray.init`` a local cluster (temp dir under the run's output dir) or attach to ``cluster.address``.
+
+    Attaching handles Ray's token authentication (``ray_auth.enable_auth_for_address``).
+
+    Raises:
+        RuntimeError: ``cluster.address`` cannot be reached or refuses this driver's credentials
+            (one line naming the key and the token sources).
+    """
     import ray
 
     if ray.is_initialized():
         return
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}}
     if cfg.cluster.address:
-        ray.init(address=cfg.cluster.address, runtime_env=env, log_to_driver=True)
+        from rollplex_train.cluster.ray_auth import TOKEN_ENV, TOKEN_PATH_ENV, enable_auth_for_address
+
+        mode = enable_auth_for_address(cfg.cluster.address)
+        try:
+            ray.init(address=cfg.cluster.address, runtime_env=env, log_to_driver=True)
+        except (ConnectionError, ray.exceptions.AuthenticationError) as err:
+            raise RuntimeError(
+                f"cluster.address={cfg.cluster.address}: cannot attach (Ray auth mode {mode}): {err.__class__.__name__}. "
+                f"A cluster started in token mode needs its token here: ${TOKEN_ENV}, ${TOKEN_PATH_ENV} or "
+                "~/.ray/auth_token (launch/slurm_ray.sbatch writes one per job)") from err
         return
     ray.init(
         num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
