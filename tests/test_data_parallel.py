@@ -90,3 +90,18 @@ def test_dp2_resume_after_kill_matches_uninterrupted(runs, run_cli, tmp_path):
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
     w_a, w_b = _weights(uninterrupted), _weights(out)
     assert all(torch.equal(w_a[k], w_b[k]) for k in w_a)
+
+
+def test_resume_on_another_dp_size(runs, run_cli, tmp_path):
+    """A DP=2 checkpoint resumed with DP=1 (in process) trains step 3 as the DP=2 run did."""
+    two = runs["token-mean-serial-dp2"]
+    out = tmp_path / "dp1_from_dp2"
+    resumed = run_cli(out, *COMMON, "actor.loss_agg_mode=token-mean", "schedule=serial", *DP1,
+                      f"trainer.resume={two / 'checkpoints' / 'global_step_2'}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    got, expected = read_metrics_jsonl(out / "metrics.jsonl")[-1], read_metrics_jsonl(two / "metrics.jsonl")[-1]
+    assert got["step"] == expected["step"] == 3
+    for key in ("critic/score/mean", "response_length/mean", "actor/pg_loss", "actor/kl_loss"):
+        assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    w_a, w_b = _weights(two), _weights(out)
+    assert all((w_a[k] - w_b[k]).abs().max() <= 1e-5 for k in w_a)
