@@ -126,8 +126,8 @@ class RolloutEngine(abc.ABC):
 
 ROLLOUT_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry(
     "rollout.name",
-    # shipped engines, imported on first use (the SGLang adapter is not built yet)
-    modules={"builtin": "rollplex_train.rollout.builtin"},
+    # shipped engines, imported on first use (the SGLang adapter imports SGLang only when built)
+    modules={"builtin": "rollplex_train.rollout.builtin", "sglang": "rollplex_train.rollout.sglang"},
 )
 register_rollout_engine = ROLLOUT_ENGINES.register
 
