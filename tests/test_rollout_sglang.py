@@ -318,3 +318,21 @@ def test_mapped_trainer_weights_are_pushed_at_each_published_version(sgl, mixed_
     after = names[len(names) - 1 - names[::-1].index("resume_memory_occupation"):]
     assert after[1] == "begin_weight_update" and after[-2:] == ["end_weight_update", "flush_cache"]
     assert adapter.weights_version == 4 and len(adapter.generate(mixed_prompts, SamplingParams(), weights_version=4)) == 3
+
+
+def test_check_script_measures_the_engine_trainer_logprob_gap(tiny_ckpt_qwen25, tiny_model, mixed_prompts):
+    """scripts/check_sglang.py's yardstick, on the built-in engine (whose log-probs are the trainer's)."""
+    import importlib.util as iu
+    from pathlib import Path
+
+    from rollplex_train.rollout.builtin import BuiltinRolloutEngine
+
+    spec = iu.spec_from_file_location("check_sglang", Path(__file__).parents[1] / "scripts" / "check_sglang.py")
+    script = iu.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    engine = BuiltinRolloutEngine(str(tiny_ckpt_qwen25))
+    responses = engine.generate(mixed_prompts, SamplingParams(n=2, temperature=0.8, max_new_tokens=6, seed=1))
+    pad = engine.pad_id
+    assert script.max_logprob_diff(tiny_model, mixed_prompts, responses, pad, 0.8) < 1e-4
+    responses[3].logprobs[0] -= 0.25  # an engine that reports another distribution is caught
+    assert abs(script.max_logprob_diff(tiny_model, mixed_prompts, responses, pad, 0.8) - 0.25) < 1e-3

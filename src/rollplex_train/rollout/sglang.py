@@ -159,7 +159,12 @@ class SGLangRolloutEngine(RolloutEngine):
         import sglang  # the 'sglang' extra (checked in __init__)
         from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
         self._wrap = self._wrap or (lambda values: LocalSerializedTensor(values=values))
+        # CUDA IPC handles name the device by UUID, so each scheduler maps them whatever its
+        # CUDA_VISIBLE_DEVICES (srt/weight_sync/utils.py::update_weights patches the producer too)
+        monkey_patch_torch_reductions()
         # read at import by SGLang's sampler in the scheduler processes, which inherit it
         os.environ["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "1" if self.original_logprobs else "0"
         kwargs = dict(model_path=model_path, tp_size=self.tp_size, base_gpu_id=self.base_gpu_id,

@@ -13,6 +13,12 @@ Written against SGLang 0.5.23 (the wheel, read, not run here):
   parameter name. (``load_format=None`` and ``"flattened_bucket"`` go through
   ``Qwen2_5_VLForConditionalGeneration.load_weights`` instead, which takes *full* HF tensors, shards
   them itself and silently skips names it does not know: not used here.)
+* ``srt/weight_sync/utils.py::update_weights`` (the helper verl's ``sglang_rollout`` calls): each
+  TP rank serializes its own tensor, ``LocalSerializedTensor(values=[rank 0's, rank 1's, ...])``
+  per name, the producer's torch reductions patched (``monkey_patch_torch_reductions``: CUDA
+  devices named by UUID). ``per_rank_entries`` builds exactly those ``values``. verl and slime
+  (``backends/sglang_utils``, with ``FlattenedTensorBucket`` + ``load_format="flattened_bucket"``)
+  send *full* HF tensors and let ``load_weights`` shard them; here each rank gets only its shard.
 * ``srt/utils/common.py::MultiprocessingSerializer.serialize``: ``ForkingPickler(buf).dump(obj)``
   with torch's reductions (``torch.multiprocessing.reductions``: a CUDA tensor becomes a CUDA IPC
   handle, a CPU tensor a shared-memory handle); ``deserialize`` is a ``SafeUnpickler`` that allows
