@@ -336,3 +336,16 @@ def test_check_script_measures_the_engine_trainer_logprob_gap(tiny_ckpt_qwen25, 
     assert script.max_logprob_diff(tiny_model, mixed_prompts, responses, pad, 0.8) < 1e-4
     responses[3].logprobs[0] -= 0.25  # an engine that reports another distribution is caught
     assert abs(script.max_logprob_diff(tiny_model, mixed_prompts, responses, pad, 0.8) - 0.25) < 1e-3
+
+
+def test_requests_larger_than_max_batch_size_are_split_keeping_prompt_order(sgl, mixed_prompts):
+    adapter, engine, full = sgl
+    adapter.update_weights(full, version=1)
+    adapter.max_batch_size = 2  # with n = 2: one prompt per Engine.generate call
+    responses = adapter.generate(mixed_prompts, SamplingParams(n=2, seed=3), weights_version=1)
+    calls = [c[2] for c in engine.calls if c[0] == "generate"]
+    assert [len(c["input_ids"]) for c in calls] == [2, 2, 2]
+    assert [r.prompt_index for r in responses] == [0, 0, 1, 1, 2, 2]
+    assert [c["input_ids"][0] for c in calls] == [p.prompt_ids.tolist() for p in mixed_prompts]
+    seeds = [sp["sampling_seed"] for c in calls for sp in c["sampling_params"]]
+    assert len(set(seeds)) == 6  # distinct across calls too

@@ -216,8 +216,7 @@ class SGLangRolloutEngine(RolloutEngine):
         for start in range(0, len(prompts), per_call):
             chunk = prompts[start:start + per_call]
             call = build_generate_call(chunk, params, eos_ids=self.eos_ids, suppressed_ids=self.suppressed_ids,
-                                       rope=self._rope, placeholder_ids=self.placeholders)
-            call.prompt_index = [i + start for i in call.prompt_index]
+                                       rope=self._rope, placeholder_ids=self.placeholders, first_prompt=start)
             out += parse_outputs(self.engine.generate(**call.kwargs()), call, self._decode)
         self._check_ready(weights_version)  # nothing replaced the weights meanwhile
         return out

@@ -173,10 +173,12 @@ class GenerateCall:
 
 def build_generate_call(prompts: list[PromptSample], params: SamplingParams, *, eos_ids: set[int],
                         suppressed_ids: set[int], rope: Optional[RopeFn] = None,
-                        placeholder_ids: Optional[tuple[int, int, int]] = None) -> GenerateCall:
+                        placeholder_ids: Optional[tuple[int, int, int]] = None, first_prompt: int = 0) -> GenerateCall:
     """One request per response: prompt i's ``params.n`` requests are contiguous, in sample order.
 
     Args:
+        first_prompt: index of ``prompts[0]`` in the whole request when it is sent in chunks (the
+            call's ``prompt_index`` and the per-response seeds count from it).
         rope: the trainer's M-RoPE positions of a prompt (sent for prompts with images/videos).
         placeholder_ids: ``(image_token_id, video_token_id, merge_size)`` to check each prompt's
             placeholder counts against its grids (``check_placeholders``); None skips the check.
@@ -200,8 +202,8 @@ def build_generate_call(prompts: list[PromptSample], params: SamplingParams, *, 
             call.video_data.append(videos)
             call.sampling_params.append(build_sampling_params(
                 params, eos_ids=eos_ids, suppressed_ids=suppressed_ids,
-                seed=response_seed(params.seed, i, j, params.n)))
-            call.prompt_index.append(i)
+                seed=response_seed(params.seed, first_prompt + i, j, params.n)))
+            call.prompt_index.append(first_prompt + i)
     return call
 
 
