@@ -349,3 +349,34 @@ def test_requests_larger_than_max_batch_size_are_split_keeping_prompt_order(sgl,
     assert [c["input_ids"][0] for c in calls] == [p.prompt_ids.tolist() for p in mixed_prompts]
     seeds = [sp["sampling_seed"] for c in calls for sp in c["sampling_params"]]
     assert len(set(seeds)) == 6  # distinct across calls too
+
+
+def test_flattened_bucket_format_sends_full_tensors_per_rank(tiny_ckpt_qwen25, tiny_model):
+    import pickle
+    import types
+
+    from rollplex_train.rollout.sglang import SGLangRolloutEngine
+    from rollplex_train.rollout.sglang_weights import sglang_name, unflatten_bucket
+
+    engine = RecordingEngine(eos=2)
+    adapter = SGLangRolloutEngine(str(tiny_ckpt_qwen25), tp_size=2, engine=engine, wrap=None,
+                                  meta_cls=types.SimpleNamespace, weight_format="flattened_bucket",
+                                  bucket_bytes=256 * 1024)
+    full = {n: p.detach() for n, p in tiny_model.named_parameters()}
+    adapter.update_weights(full, version=1)
+    updates = [c for c in engine.calls if c[0] == "update_weights_from_tensor"]
+    assert len(updates) > 1 and all(c[2]["load_format"] == "flattened_bucket" for c in updates)
+    got = [{}, {}]
+    for call in updates:
+        payloads = call[1][0]
+        assert len(payloads) == 2  # one serialized bucket per TP rank
+        for rank, payload in enumerate(payloads):
+            bucket = pickle.loads(payload)
+            got[rank].update(unflatten_bucket(bucket["flattened_tensor"], bucket["metadata"]))
+    want = {sglang_name(n): t for n, t in full.items()}
+    for rank in range(2):
+        assert got[rank].keys() == want.keys()
+        assert all(torch.equal(got[rank][n], want[n]) for n in want)
+    assert engine.names()[-2:] == ["end_weight_update", "flush_cache"] and adapter.weights_version == 1
+    with pytest.raises(ValueError, match="weight_format='bucket'"):
+        SGLangRolloutEngine(str(tiny_ckpt_qwen25), engine=engine, weight_format="bucket")

@@ -219,3 +219,37 @@ def test_update_calls_bucket_every_parameter_once(tiny_full):
     assert len(calls) > 1
     with pytest.raises(ValueError, match="other parameters"):
         per_rank_entries([per_rank[0], {"x": torch.zeros(1)}])
+
+
+# ---- the full-tensor alternative (FlattenedTensorBucket + SGLang's load_weights) ---------------------
+
+def test_every_full_hf_tensor_lands_on_an_sglang_parameter_through_load_weights(qwen7b):
+    from rollplex_train.rollout.sglang_weights import check_full_tensors, load_weights_target, sglang_name
+
+    shapes, dims = qwen7b
+    layout = sglang_layout(shapes, dims, 2)
+    full = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+    assert check_full_tensors(full, layout) == list(shapes)
+    targets = {load_weights_target(sglang_name(n)) for n in shapes}
+    assert targets == set(PINNED["tp"]["2"])  # SGLang's own list: every parameter, nothing else
+    assert load_weights_target("visual.blocks.3.attn.qkv.bias") == "visual.blocks.3.attn.qkv_proj.bias"
+    assert load_weights_target("visual.blocks.3.mlp.up_proj.weight") == "visual.blocks.3.mlp.gate_up_proj.weight"
+    assert load_weights_target("model.layers.2.self_attn.k_proj.bias") == "model.layers.2.self_attn.qkv_proj.bias"
+    with pytest.raises(ValueError, match=r"no tensor for \['model.norm.weight'\]"):
+        check_full_tensors({n: t for n, t in full.items() if n != "model.language_model.norm.weight"}, layout)
+    with pytest.raises(ValueError, match=r"unknown \['model.language_model.extra.weight'\]"):
+        check_full_tensors({**full, "model.language_model.extra.weight": torch.empty(1, device="meta")}, layout)
+
+
+def test_flattened_bucket_round_trip_keeps_names_dtypes_and_values():
+    from rollplex_train.rollout.sglang_weights import flatten_bucket, unflatten_bucket
+
+    named = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)),
+             ("c", torch.randn(2, 3).to(torch.bfloat16).t())]  # non-contiguous bf16
+    flat, metas = flatten_bucket(named)
+    assert flat.dtype == torch.uint8
+    assert [(m["start_idx"], m["end_idx"]) for m in metas] == [(0, 60), (64, 120), (128, 140)]  # 16-byte starts
+    back = unflatten_bucket(flat, metas)
+    assert [n for n, _ in back] == ["a", "b", "c"]
+    for (_, want), (_, got) in zip(named, back):
+        assert got.dtype == want.dtype and torch.equal(got, want)

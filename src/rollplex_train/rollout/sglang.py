@@ -37,12 +37,18 @@ from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeig
 from rollplex_train.rollout.sglang_memory import phase_transition
 from rollplex_train.rollout.sglang_request import build_generate_call, parse_outputs
 from rollplex_train.rollout.sglang_weights import (
+    FLATTENED_LOAD_FORMAT,
     LOAD_FORMAT,
+    buckets,
     build_update_calls,
+    check_full_tensors,
     check_rank_tensors,
     expected_params,
-    shard_state_dict,
+    flatten_bucket,
+    serialize,
     sglang_layout,
+    sglang_name,
+    shard_state_dict,
 )
 
 log = logging.getLogger(__name__)
@@ -101,16 +107,24 @@ class SGLangRolloutEngine(RolloutEngine):
         weights_cpu_backup: SGLang keeps a host copy of released weights; without it a weight
             release invalidates the weights until the next ``update_weights``/``sync``.
         bucket_bytes: most bytes (per rank) of one ``update_weights_from_tensor`` call.
+        weight_format: how full HF weights (``update_weights``, mapped trainer weights) travel:
+            ``direct`` (default): each rank gets its shard in SGLang's names, one
+            ``LocalSerializedTensor`` per parameter, copied in by name (strict); or
+            ``flattened_bucket``: each rank gets the full HF tensors of a bucket flattened into one
+            ``FlattenedTensorBucket`` (one IPC handle per bucket and rank) and SGLang's
+            ``load_weights`` shards them (names checked here first, ``check_full_tensors``); costs
+            ``tp_size`` full copies of a bucket on the devices.
         original_logprobs: report SGLang's original log-probs, ``log_softmax(logits)``
             (``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, ``srt/layers/sampler.py``) instead of the
             ``Response`` contract's ``log_softmax(logits / temperature)``, which is what the built-in
             engine reports and the trainer recomputes (``rollout_logprob_diff`` compares the two).
             They differ only when the temperature is neither 0 nor 1. Default False.
-        engine_kwargs: further ``ServerArgs`` fields. engine, wrap: a started engine and the
-            ``LocalSerializedTensor`` constructor to use instead of launching SGLang (tests).
+        engine_kwargs: further ``ServerArgs`` fields. engine, wrap, meta_cls: a started engine and
+            the ``LocalSerializedTensor`` / ``FlattenedTensorMetadata`` constructors to use instead
+            of launching SGLang (tests).
 
     Raises:
-        MissingExtraError / ValueError: as ``check_available``.
+        MissingExtraError / ValueError: as ``check_available``; an unknown ``weight_format``.
     """
 
     check_available = staticmethod(check_available)
@@ -118,16 +132,20 @@ class SGLangRolloutEngine(RolloutEngine):
     def __init__(self, model_path: str, dtype: str = "bfloat16", attn_implementation: str = "sdpa",
                  max_batch_size: int = 256, *, tp_size: int = 1, base_gpu_id: int = 0,
                  mem_fraction_static: float = 0.5, weights_cpu_backup: bool = False,
-                 bucket_bytes: int = 512 * 1024**2, original_logprobs: bool = False,
-                 engine_kwargs: Optional[dict] = None,
-                 engine: Any = None, wrap: Optional[Callable[[list[bytes]], Any]] = None):
+                 bucket_bytes: int = 512 * 1024**2, weight_format: str = LOAD_FORMAT,
+                 original_logprobs: bool = False, engine_kwargs: Optional[dict] = None,
+                 engine: Any = None, wrap: Optional[Callable[[list[bytes]], Any]] = None,
+                 meta_cls: Optional[Callable[..., Any]] = None):
         from rollplex_train.config import ModelConfig
         from rollplex_train.models.arch import load_hf_config, meta_model
         from rollplex_train.models.layouts import Dims
         from rollplex_train.models.loading import load_tokenizer
 
+        if weight_format not in (LOAD_FORMAT, FLATTENED_LOAD_FORMAT):
+            raise ValueError(f"weight_format={weight_format!r}: expected {LOAD_FORMAT!r} or {FLATTENED_LOAD_FORMAT!r}")
         if engine is None:
             check_available()
+        self.weight_format = weight_format
         self.tp_size, self.base_gpu_id, self.max_batch_size = tp_size, base_gpu_id, max_batch_size
         self.weights_cpu_backup, self.bucket_bytes = weights_cpu_backup, bucket_bytes
         self.original_logprobs = original_logprobs
@@ -146,7 +164,7 @@ class SGLangRolloutEngine(RolloutEngine):
         self._valid = False  # SGLang holds weights of ``weights_version`` (False until pushed)
         self._updating = False
         self._shared = None
-        self._wrap = wrap
+        self._wrap, self._meta_cls = wrap, meta_cls
         self.engine = engine if engine is not None else self._launch(model_path, dtype, mem_fraction_static,
                                                                      dict(engine_kwargs or {}))
         if engine is None:
@@ -160,8 +178,10 @@ class SGLangRolloutEngine(RolloutEngine):
         from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
 
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
         self._wrap = self._wrap or (lambda values: LocalSerializedTensor(values=values))
+        self._meta_cls = self._meta_cls or FlattenedTensorMetadata
         # CUDA IPC handles name the device by UUID, so each scheduler maps them whatever its
         # CUDA_VISIBLE_DEVICES (srt/weight_sync/utils.py::update_weights patches the producer too)
         monkey_patch_torch_reductions()
@@ -236,16 +256,36 @@ class SGLangRolloutEngine(RolloutEngine):
             raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
         self._push(named_tensors, version)
 
+    def _to_rank(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+        """On TP rank ``rank``'s GPU (CUDA IPC handles); left on the CPU where there is none (tests)."""
+        if torch.cuda.is_available():
+            tensor = tensor.to(torch.device("cuda", self.base_gpu_id + rank), non_blocking=True)
+        return tensor.contiguous()
+
     def _push(self, full: dict[str, torch.Tensor], version: int) -> None:
+        if self.weight_format == FLATTENED_LOAD_FORMAT:
+            return self._push_flattened(full, version)
         per_rank = []
         for rank in range(self.tp_size):
             tensors = shard_state_dict(full, self.layout, rank)
             check_rank_tensors(tensors, self.expected[rank], rank)  # before SGLang sees anything
-            if torch.cuda.is_available():
-                device = torch.device("cuda", self.base_gpu_id + rank)
-                tensors = {n: t.to(device, non_blocking=True).contiguous() for n, t in tensors.items()}
-            per_rank.append(tensors)
+            per_rank.append({n: self._to_rank(t, rank) for n, t in tensors.items()})
         self.push_rank_tensors(per_rank, version)
+
+    def _push_flattened(self, full: dict[str, torch.Tensor], version: int) -> None:
+        names = check_full_tensors(full, self.layout)  # before SGLang sees anything
+
+        def calls():
+            for bucket in buckets([{n: full[n] for n in names}], self.bucket_bytes):
+                flats, payloads = [], []  # flats stay referenced until SGLang has loaded them
+                for rank in range(self.tp_size):
+                    flat, metas = flatten_bucket([(sglang_name(n), self._to_rank(full[n], rank)) for n in bucket])
+                    flats.append(flat)
+                    payloads.append(serialize({"flattened_tensor": flat,
+                                               "metadata": [self._meta_cls(**m) for m in metas]}))
+                yield payloads, FLATTENED_LOAD_FORMAT
+
+        self._run_update(calls(), version)
 
     def push_rank_tensors(self, per_rank: list[dict[str, torch.Tensor]], version: int) -> None:
         """Load per-rank tensors already in SGLang's layout (``sglang_weights.shard_from_plan`` on
@@ -261,13 +301,19 @@ class SGLangRolloutEngine(RolloutEngine):
             raise ValueError(f"{len(per_rank)} rank payloads for an engine of TP {self.tp_size}")
         for rank, tensors in enumerate(per_rank):
             check_rank_tensors(tensors, self.expected[rank], rank)
+        calls = ((named, LOAD_FORMAT) for named in build_update_calls(per_rank, self._wrap, self.bucket_bytes))
+        self._run_update(calls, version)
+
+    def _run_update(self, calls: Iterable[tuple[Any, str]], version: int) -> None:
+        """One weight-update session: begin, ``update_weights_from_tensor(named, load_format)`` per
+        call, end (also after a failure), ``flush_cache``; then the engine holds ``version``."""
         if self._released & {"weights"}:
             raise RuntimeError("SGLang weights are released: resume_memory(['weights']) before updating them")
         self._updating, self._valid = True, False
         _ok(self.engine.begin_weight_update(), "begin_weight_update")
         try:
-            for named in build_update_calls(per_rank, self._wrap, self.bucket_bytes):
-                _ok(self.engine.update_weights_from_tensor(named, load_format=LOAD_FORMAT, flush_cache=False),
+            for named, load_format in calls:
+                _ok(self.engine.update_weights_from_tensor(named, load_format=load_format, flush_cache=False),
                     "update_weights_from_tensor")
         finally:
             _ok(self.engine.end_weight_update(), "end_weight_update")

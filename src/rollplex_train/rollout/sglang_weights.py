@@ -12,7 +12,8 @@ Written against SGLang 0.5.23 (the wheel, read, not run here):
   scheduler). So a ``direct`` payload holds, per rank, exactly that rank's shard under SGLang's
   parameter name. (``load_format=None`` and ``"flattened_bucket"`` go through
   ``Qwen2_5_VLForConditionalGeneration.load_weights`` instead, which takes *full* HF tensors, shards
-  them itself and silently skips names it does not know: not used here.)
+  them itself and silently skips names it does not know: the optional ``flattened_bucket`` format
+  at the end of this module sends full tensors that way, every name checked first.)
 * ``srt/weight_sync/utils.py::update_weights`` (the helper verl's ``sglang_rollout`` calls): each
   TP rank serializes its own tensor, ``LocalSerializedTensor(values=[rank 0's, rank 1's, ...])``
   per name, the producer's torch reductions patched (``monkey_patch_torch_reductions``: CUDA
@@ -188,3 +189,79 @@ def build_update_calls(per_rank: list[dict[str, torch.Tensor]], wrap: Callable[[
     ``LocalSerializedTensor(values=...)`` in the engine (any callable in tests)."""
     entries = dict(per_rank_entries(per_rank))
     return [[(name, wrap(entries[name])) for name in bucket] for bucket in buckets(per_rank, bucket_bytes)]
+
+
+# ---- the full-tensor alternative: FlattenedTensorBucket + load_weights ------------------------------
+
+FLATTENED_LOAD_FORMAT = "flattened_bucket"
+ALIGN_BYTES = 16
+
+_STACKED = ((".qkv_proj", ".q_proj"), (".qkv_proj", ".k_proj"), (".qkv_proj", ".v_proj"),
+            ("gate_up_proj", "up_proj"), ("gate_up_proj", "gate_proj"))
+"""``stacked_params_mapping`` of SGLang 0.5.23 ``qwen2_5_vl.py::load_weights`` (param, checkpoint name)."""
+
+
+def load_weights_target(name: str) -> str:
+    """The SGLang parameter ``Qwen2_5_VLForConditionalGeneration.load_weights`` (0.5.23) loads a
+    checkpoint tensor ``name`` (SGLang's checkpoint naming: ``model.layers.*``, ``visual.*``,
+    ``lm_head``) into: its stacked-parameter loop (q/k/v -> ``qkv_proj`` except in the vision tower,
+    gate/up -> ``gate_up_proj``), else ``attn.qkv.`` -> ``attn.qkv_proj.`` in the vision tower. A
+    target that is not a parameter is skipped by SGLang without a word."""
+    for param, weight in _STACKED:
+        if weight not in name:
+            continue
+        if "visual" in name and "up_proj" not in name and "gate_proj" not in name:
+            continue
+        return name.replace(weight, param)
+    return name.replace("attn.qkv.", "attn.qkv_proj.") if "visual" in name else name
+
+
+def check_full_tensors(full: dict[str, torch.Tensor], layout: Layout) -> list[str]:
+    """The HF names to send as full tensors (a tied ``lm_head`` dropped), after checking that each
+    has its HF shape and lands on an SGLang parameter, and that every parameter gets one (what
+    ``load_weights`` would otherwise skip or leave stale silently).
+
+    Raises:
+        ValueError: names that land nowhere, parameters nothing lands on, or wrong shapes.
+    """
+    names = [n for n in full if n in layout.hf_shapes]
+    unknown = sorted(set(full) - set(names) - {"lm_head.weight"})
+    wrong = sorted(f"{n} {tuple(full[n].shape)} != {layout.hf_shapes[n]}" for n in names
+                   if tuple(full[n].shape) != tuple(layout.hf_shapes[n]))
+    params = set(expected_params(layout, 0))
+    targets = {n: load_weights_target(sglang_name(n)) for n in names}
+    unknown += sorted(n for n, t in targets.items() if t not in params)
+    untouched = sorted(params - set(targets.values()))
+    if unknown or untouched or wrong:
+        raise ValueError(f"full weights for SGLang's load_weights do not match the model: unknown {unknown[:5]}, "
+                         f"no tensor for {untouched[:5]}, wrong_shape {wrong[:5]}")
+    return names
+
+
+def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[dict]]:
+    """SGLang 0.5.23's ``FlattenedTensorBucket(named_tensors=...)`` layout (``srt/weight_sync/
+    tensor_bucket.py``): every tensor ``flatten().view(uint8)``, concatenated; per tensor the
+    ``FlattenedTensorMetadata`` fields ``name, shape, dtype, start_idx, end_idx, numel`` (bytes).
+    Returns the (B,) uint8 tensor and the metadata as dicts (the engine builds SGLang's objects).
+    Unlike SGLang's constructor, each tensor starts at a multiple of ``ALIGN_BYTES`` (zero bytes in
+    between): ``reconstruct_tensors`` views each slice as its dtype, which fails at an offset that
+    is not a multiple of the item size (an int64 after an odd count of bf16 values)."""
+    parts, metas, offset = [], [], 0
+    for name, tensor in named:
+        gap = -offset % ALIGN_BYTES
+        if gap:
+            parts.append(torch.zeros(gap, dtype=torch.uint8, device=tensor.device))
+            offset += gap
+        flat = tensor.contiguous().flatten().view(torch.uint8)
+        metas.append({"name": name, "shape": tensor.shape, "dtype": tensor.dtype, "start_idx": offset,
+                      "end_idx": offset + flat.numel(), "numel": flat.numel()})
+        parts.append(flat)
+        offset += flat.numel()
+    return torch.cat(parts), metas
+
+
+def unflatten_bucket(flat: torch.Tensor, metas: list) -> list[tuple[str, torch.Tensor]]:
+    """The inverse, as SGLang's ``FlattenedTensorBucket.reconstruct_tensors`` computes it."""
+    get = (lambda m, k: m[k]) if metas and isinstance(metas[0], dict) else getattr
+    return [(get(m, "name"), flat[get(m, "start_idx"):get(m, "end_idx")].view(get(m, "dtype")).reshape(get(m, "shape")))
+            for m in metas]
