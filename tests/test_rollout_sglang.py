@@ -380,3 +380,17 @@ def test_flattened_bucket_format_sends_full_tensors_per_rank(tiny_ckpt_qwen25, t
     assert engine.names()[-2:] == ["end_weight_update", "flush_cache"] and adapter.weights_version == 1
     with pytest.raises(ValueError, match="weight_format='bucket'"):
         SGLangRolloutEngine(str(tiny_ckpt_qwen25), engine=engine, weight_format="bucket")
+
+
+def test_settings_the_sglang_engine_cannot_honour_are_refused():
+    from rollplex_train.config import ClusterConfig, Config, ModelConfig, RolloutConfig
+    from rollplex_train.rollout.sglang import check_config
+
+    ok = dict(cluster=ClusterConfig(num_gpus=2), rollout=RolloutConfig(name="sglang"))
+    check_config(Config(**ok))
+    with pytest.raises(ValueError, match="cluster.num_gpus=0"):
+        check_config(Config(rollout=RolloutConfig(name="sglang")))
+    with pytest.raises(ValueError, match="model.attn_implementation='eager'"):
+        check_config(Config(**ok, model=ModelConfig(attn_implementation="eager")))
+    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2"):
+        check_config(Config(cluster=ClusterConfig(num_gpus=2), rollout=RolloutConfig(name="sglang", tensor_parallel_size=2)))

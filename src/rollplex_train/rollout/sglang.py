@@ -67,12 +67,14 @@ def check_available(cfg: Any = None) -> None:
     """Fail early (before Ray) when this machine cannot run the SGLang engine.
 
     Args:
-        cfg: the run's ``Config`` (optional): an SGLang run needs ``cluster.num_gpus > 0``.
+        cfg: the run's ``Config`` (optional): an SGLang run needs GPUs (``cluster.num_gpus > 0``),
+            ``model.attn_implementation`` at its default, and (until the worker groups pass each
+            engine its TP group) ``rollout.tensor_parallel_size=1``.
 
     Raises:
         MissingExtraError: SGLang is not installed (names the ``sglang`` extra).
         ValueError: another SGLang version than the one this adapter is written against, or a
-            CPU run (``cluster.num_gpus=0``).
+            setting the run cannot honour (named).
     """
     if importlib.util.find_spec("sglang") is None:
         raise MissingExtraError(
@@ -82,13 +84,31 @@ def check_available(cfg: Any = None) -> None:
     if version != SGLANG_VERSION:
         raise ValueError(f"rollout.name=sglang: the adapter is written against sglang=={SGLANG_VERSION}, "
                          f"found {version}; install the '{EXTRA}' extra")
-    if cfg is not None and cfg.cluster.num_gpus == 0:
+    if cfg is not None:
+        check_config(cfg)
+
+
+def check_config(cfg: Any) -> None:
+    """The settings of a run ``Config`` the SGLang engine cannot honour (``check_available``'s
+    second half; needs no SGLang).
+
+    Raises:
+        ValueError: naming the key: ``cluster.num_gpus=0``, a non-default
+            ``model.attn_implementation``, ``rollout.tensor_parallel_size != 1``.
+    """
+    if getattr(cfg.cluster, "num_gpus", None) == 0:
         raise ValueError("rollout.name=sglang: SGLang decodes on GPUs, but cluster.num_gpus=0")
+    if cfg.model.attn_implementation != "sdpa":
+        raise ValueError(f"model.attn_implementation={cfg.model.attn_implementation!r}: a transformers setting the "
+                         "SGLang engine cannot honour; leave it at 'sdpa'")
+    if cfg.rollout.tensor_parallel_size != 1:
+        raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: the rollout worker does "
+                         "not yet give the SGLang engine a TP group (tp_size, base_gpu_id); use 1")
 
 
 def _ok(result: Any, what: str) -> None:
     """SGLang control calls return ``(success, message)`` or an object with ``.success``."""
-    success, message = (result[0], result[1]) if isinstance(result, tuple) else (getattr(result, "success", True), "")
+    success, message = result if isinstance(result, tuple) else (getattr(result, "success", True), "")
     if not success:
         raise RuntimeError(f"SGLang {what} failed: {message}")
 
@@ -100,8 +120,10 @@ class SGLangRolloutEngine(RolloutEngine):
     Args:
         model_path: local HF checkpoint (config, tokenizer, weights: the weights are loaded on CPU
             once and pushed through ``update_weights`` at version 0).
-        dtype: SGLang ``dtype``. attn_implementation, max_batch_size: as the built-in engine's
-            (``max_batch_size`` caps the responses of one ``Engine.generate`` call).
+        dtype: SGLang ``dtype``. max_batch_size: most responses of one ``Engine.generate`` call.
+        attn_implementation: the transformers setting the worker passes every engine; only its
+            default ``sdpa`` is accepted (SGLang picks its own attention backends: give
+            ``engine_kwargs={"attention_backend": ...}``).
         tp_size, base_gpu_id, mem_fraction_static: SGLang's (``mem_fraction_static`` from the
             residency plan: ``sglang_memory.mem_fraction_static``).
         weights_cpu_backup: SGLang keeps a host copy of released weights; without it a weight
@@ -139,10 +161,13 @@ class SGLangRolloutEngine(RolloutEngine):
         from rollplex_train.config import ModelConfig
         from rollplex_train.models.arch import load_hf_config, meta_model
         from rollplex_train.models.layouts import Dims
-        from rollplex_train.models.loading import load_tokenizer
+        from rollplex_train.models.loading import load_model, load_tokenizer
 
         if weight_format not in (LOAD_FORMAT, FLATTENED_LOAD_FORMAT):
             raise ValueError(f"weight_format={weight_format!r}: expected {LOAD_FORMAT!r} or {FLATTENED_LOAD_FORMAT!r}")
+        if attn_implementation != "sdpa":
+            raise ValueError(f"model.attn_implementation={attn_implementation!r} is a transformers setting the SGLang "
+                             "engine cannot honour; leave it at 'sdpa' (SGLang picks its attention backend)")
         if engine is None:
             check_available()
         self.weight_format = weight_format
@@ -167,16 +192,14 @@ class SGLangRolloutEngine(RolloutEngine):
         self._wrap, self._meta_cls = wrap, meta_cls
         self.engine = engine if engine is not None else self._launch(model_path, dtype, mem_fraction_static,
                                                                      dict(engine_kwargs or {}))
-        if engine is None:
-            from rollplex_train.models.loading import load_model
-
-            weights = load_model(model_path, dtype="float32").state_dict()
-            self._push({n: t for n, t in weights.items()}, 0)
+        if engine is None:  # the checkpoint's weights, through the checked path, as version 0
+            weights = load_model(model_path, dtype="float32")
+            self._push({n: p.detach() for n, p in weights.named_parameters()}, 0)
+            del weights
 
     def _launch(self, model_path: str, dtype: str, mem_fraction_static: float, extra: dict):
         import sglang  # the 'sglang' extra (checked in __init__)
         from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
-
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
@@ -257,10 +280,9 @@ class SGLangRolloutEngine(RolloutEngine):
         self._push(named_tensors, version)
 
     def _to_rank(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
-        """On TP rank ``rank``'s GPU (CUDA IPC handles); left on the CPU where there is none (tests)."""
-        if torch.cuda.is_available():
-            tensor = tensor.to(torch.device("cuda", self.base_gpu_id + rank), non_blocking=True)
-        return tensor.contiguous()
+        """On TP rank ``rank``'s GPU (CUDA IPC handles); on the CPU where there is none (tests)."""
+        device = torch.device("cuda", self.base_gpu_id + rank) if torch.cuda.is_available() else tensor.device
+        return tensor.to(device, non_blocking=True).contiguous()
 
     def _push(self, full: dict[str, torch.Tensor], version: int) -> None:
         if self.weight_format == FLATTENED_LOAD_FORMAT:
@@ -374,5 +396,5 @@ class SGLangRolloutEngine(RolloutEngine):
         return release, resume
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.engine.shutdown()  # blocks until the schedulers released their GPU contexts
 
