@@ -59,7 +59,7 @@ def test_requests_carry_the_trainer_ids_patches_and_positions(mixed_prompts, tin
     assert torch.equal(image["image_grid_thw"], color.vision.image_grid_thw)
     assert image["pixel_values"].shape == (16, 1176)  # 56x56 image: grid (1, 4, 4), D = 3*2*14*14
     assert torch.equal(call.image_data[3][0]["pixel_values"], count.vision.pixel_values)
-    assert call.video_data[0] is None and call.image_data[6] is None
+    assert call.video_data[0] == [] and call.image_data[6] == []  # [] not None: SGLang reads entry 0's type
     vid = call.video_data[6][0]
     assert torch.equal(vid["pixel_values_videos"], video.vision.pixel_values_videos)
     assert torch.equal(vid["video_grid_thw"], video.vision.video_grid_thw)
@@ -70,6 +70,11 @@ def test_requests_carry_the_trainer_ids_patches_and_positions(mixed_prompts, tin
     assert vid["mrope_positions"].shape == (3, video.prompt_length)
     kwargs = call.kwargs()
     assert kwargs["return_logprob"] is True and len(kwargs["image_data"]) == len(kwargs["input_ids"]) == 9
+    video_first = build_generate_call(mixed_prompts[::-1], params, eos_ids=set(), suppressed_ids=set()).kwargs()
+    # every entry a list, the first one too: SGLang takes a batch whose entry 0 is not a list for
+    # a list of single images and wraps each entry again
+    assert all(isinstance(x, list) for x in video_first["image_data"] + video_first["video_data"])
+    assert video_first["image_data"][0] == [] and video_first["video_data"][0][0]["format"] == "processor_output"
 
 
 def test_sampling_params_carry_every_field_and_a_seed_per_response(mixed_prompts):

@@ -100,8 +100,11 @@ def build_sampling_params(params: SamplingParams, *, eos_ids: set[int], suppress
 
 
 def vision_items(vision: VisionInputs, positions: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                 ) -> tuple[Optional[list[dict]], Optional[list[dict]]]:
-    """The ``processor_output`` items of one prompt: ``(image_data, video_data)`` of its request.
+                 ) -> tuple[list[dict], list[dict]]:
+    """The ``processor_output`` items of one prompt: ``(image_data, video_data)`` of its request,
+    ``[]`` where it has none (not None: ``GenerateReqInput._normalize_image_data`` decides from the
+    *first* request's entry whether the batch is a list of per-request lists, and SGLang's
+    ``has_valid_data([])`` is False).
 
     All images of the prompt travel in one dict and all videos in one (SGLang splits a bundled
     item per image/video by its grid, ``managers/mm_utils.py::get_new_expanded_mm_items``). The
@@ -110,7 +113,8 @@ def vision_items(vision: VisionInputs, positions: Optional[tuple[torch.Tensor, t
     ``video_grid_thw`` (num_videos, 3), ``second_per_grid_ts`` (num_videos,) float32.
     ``positions``, when given, are put in the first dict (the one SGLang reads them from).
     """
-    images = videos = None
+    images: list[dict] = []
+    videos: list[dict] = []
     if vision.num_images:
         images = [{"format": "processor_output", "pixel_values": vision.pixel_values,
                    "image_grid_thw": vision.image_grid_thw}]
@@ -148,15 +152,15 @@ class GenerateCall:
 
     Attributes:
         input_ids: per request, the prompt's exact ids (placeholders already expanded).
-        image_data, video_data: per request, its ``processor_output`` items or None.
+        image_data, video_data: per request, its ``processor_output`` items (``[]``: none).
         sampling_params: per request (``build_sampling_params``).
         prompt_index: per request, the index of its prompt in the call's prompt list.
         n: responses per prompt (requests of prompt i are ``i * n .. i * n + n - 1``).
     """
 
     input_ids: list[list[int]] = field(default_factory=list)
-    image_data: list[Optional[list[dict]]] = field(default_factory=list)
-    video_data: list[Optional[list[dict]]] = field(default_factory=list)
+    image_data: list[list[dict]] = field(default_factory=list)
+    video_data: list[list[dict]] = field(default_factory=list)
     sampling_params: list[dict] = field(default_factory=list)
     prompt_index: list[int] = field(default_factory=list)
     n: int = 1
@@ -164,9 +168,9 @@ class GenerateCall:
     def kwargs(self) -> dict:
         """``Engine.generate(**call.kwargs())`` (``return_logprob=True``)."""
         out = {"input_ids": self.input_ids, "sampling_params": self.sampling_params, "return_logprob": True}
-        if any(x is not None for x in self.image_data):
+        if any(self.image_data):
             out["image_data"] = self.image_data
-        if any(x is not None for x in self.video_data):
+        if any(self.video_data):
             out["video_data"] = self.video_data
         return out
 
