@@ -194,6 +194,9 @@ class ActorConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     """PPO ratio clip range [1 - low, 1 + high] (DAPO's clip-higher when high > low)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip PPO (Ye et al. 2020; verl ``actor.clip_ratio_c``): the loss of a token with a negative
+    advantage A is at most ``-A * clip_ratio_c``; must be > 1."""
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     tensor_parallel_size: int = 1
@@ -207,6 +210,8 @@ class ActorConfig:
         _check_positive("actor", "ppo_epochs", self.ppo_epochs)
         _check_positive("actor", "clip_ratio_low", self.clip_ratio_low, allow_zero=True)
         _check_positive("actor", "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
+        if not self.clip_ratio_c > 1.0:
+            raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c}: expected a number > 1 (dual-clip PPO)")
         _check_choice("actor", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_positive("actor", "tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("actor", "pipeline_parallel_size", self.pipeline_parallel_size)
