@@ -230,10 +230,15 @@ class RewardConfig:
     ``path/to/file.py:fn`` with ``fn(response: str, ground_truth: str, **kwargs) -> float``."""
     format_weight: float = 0.0
     """Score = (1 - w) * accuracy + w * format (EasyR1's r1v reward)."""
+    on_failure: str = "exclude"
+    """A response whose reward function raised or returned None/NaN/a non-number: ``exclude`` (advantage
+    0, left out of its group's mean and std) or ``zero`` (scored 0 and kept in the group's baseline,
+    i.e. trained as a wrong answer). Counted in ``reward/failed`` either way."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.format_weight <= 1.0:
             raise ValueError(f"reward.format_weight={self.format_weight}: expected 0 <= w <= 1")
+        _check_choice("reward", "on_failure", self.on_failure, ("exclude", "zero"))
 
 
 @dataclass(kw_only=True)

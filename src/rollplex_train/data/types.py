@@ -117,6 +117,7 @@ class TrainBatch:
         old_logprobs: (N, R) float32 log-probs under the weights that sampled (None before computed).
         ref_logprobs: (N, R) float32 reference log-probs (None when no KL is used).
         rollout_logprobs: (N, R) float32 log-probs reported by the rollout engine (diagnostics).
+        reward_failed: (N,) bool, the reward function failed on the response (None: not scored).
     """
 
     prompts: list[PromptSample]
@@ -127,6 +128,7 @@ class TrainBatch:
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     rollout_logprobs: Optional[torch.Tensor] = None
+    reward_failed: Optional[torch.Tensor] = None
 
     @property
     def num_responses(self) -> int:
@@ -150,4 +152,5 @@ class TrainBatch:
             old_logprobs=take(self.old_logprobs),
             ref_logprobs=take(self.ref_logprobs),
             rollout_logprobs=take(self.rollout_logprobs),
+            reward_failed=take(self.reward_failed),
         )

@@ -61,18 +61,23 @@ def group_rows(batch: TrainBatch, indices: list[int]) -> torch.Tensor:
 
 
 def score_responses(reward: RewardManager, batch: TrainBatch, responses: list[Response]):
-    """(N,) float32 scores and reward metrics for the batch's responses."""
+    """(N,) float32 scores and reward metrics for the batch's responses; the responses whose
+    reward function failed are marked in ``batch.reward_failed``."""
     prompts = [batch.prompts[g] for g in batch.group_index.tolist()]
-    return reward.score(
+    scores, batch.reward_failed, metrics = reward.score_with_failures(
         [r.text for r in responses],
         [p.ground_truth for p in prompts],
         [p.uid for p in prompts],
         [list(p.options) for p in prompts],
     )
+    return scores, metrics
 
 
 def add_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor) -> dict[str, float]:
     """Fill ``batch.advantages`` with the configured estimator (KL in the reward if enabled).
+
+    With ``reward.on_failure=exclude`` the responses in ``batch.reward_failed`` get advantage 0 and
+    stay out of their group's statistics; with ``zero`` they count as scored 0.
 
     Returns:
         ``critic/*`` metrics (scores, token rewards, advantages, returns).
@@ -92,6 +97,7 @@ def add_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor) -> dict
         norm_adv_by_std=algo.norm_adv_by_std,
         gamma=algo.gamma,
         token_level_rewards=token_rewards,
+        exclude=batch.reward_failed if cfg.reward.on_failure == "exclude" else None,
     )
     batch.advantages = advantages
     mask = batch.response_mask.bool()
