@@ -116,14 +116,19 @@ def add_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor) -> dict
 
 
 def batch_metrics(batch: TrainBatch, responses: list[Response], max_new_tokens: int) -> dict[str, float]:
-    """``response_length/*``, ``prompt_length/*`` and the rollout-vs-actor log-prob mismatch."""
+    """``response_length/*``, ``prompt_length/*`` and the rollout-vs-actor log-prob mismatch.
+
+    ``response_length/clip_ratio`` is the fraction of responses cut at ``max_new_tokens``
+    (``finish_reason == "length"``); one that ended on EOS or a stop string exactly at the limit
+    is not clipped.
+    """
     lengths = batch.response_mask.sum(-1)
     prompt_lengths = torch.tensor([float(batch.prompts[g].prompt_length) for g in batch.group_index.tolist()])
     out = {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
-        "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+        "response_length/clip_ratio": sum(r.finish_reason == "length" for r in responses) / max(len(responses), 1),
         "prompt_length/mean": float(prompt_lengths.mean()),
         "prompt_length/max": float(prompt_lengths.max()),
     }
