@@ -173,6 +173,29 @@ def test_hf_image_feature_rows(tasks_dir: Path, tokenizer, caplog):
     _assert_skipped(ds, 1, "corrupt_media", caplog, "hf_images.parquet", 1)
 
 
+def test_exif_rotated_jpeg_same_pixels_on_jsonl_and_parquet(tasks_dir: Path, tokenizer):
+    """A phone JPEG (stored 320x240, EXIF Orientation 6) reaches the model upright from a jsonl path
+    and from parquet bytes alike: a 240x320 picture is a grid taller than wide."""
+    import datasets
+
+    from test_data_vision import exif_rotated_jpeg
+
+    data = exif_rotated_jpeg()
+    (tasks_dir / "media" / "phone.jpg").write_bytes(data)
+    problem = "<image>What colour is the top half?"
+    jsonl = tasks_dir / "phone.jsonl"
+    jsonl.write_text(json.dumps({"problem": problem, "answer": "red", "images": ["media/phone.jpg"]}) + "\n")
+    parquet = tasks_dir / "phone.parquet"
+    datasets.Dataset.from_dict({"problem": [problem], "answer": ["red"], "images": [[{"bytes": data, "path": None}]]}
+                               ).cast_column("images", datasets.List(datasets.Image())).to_parquet(str(parquet))
+    cfg = _cfg(str(jsonl), max_pixels=240 * 320)
+    by_path = PromptDataset(cfg, tokenizer, str(jsonl), "train").get(0)
+    by_bytes = PromptDataset(cfg, tokenizer, str(parquet), "train").get(0)
+    grid = by_path.vision.image_grid_thw.tolist()
+    assert grid == by_bytes.vision.image_grid_thw.tolist() == [[1, 22, 16]]  # smart_resize(320, 240): 308x224
+    assert torch.equal(by_path.vision.pixel_values, by_bytes.vision.pixel_values)
+
+
 def test_file_level_errors(tasks_dir: Path, tokenizer):
     with pytest.raises(FileNotFoundError, match="nowhere.parquet"):
         load_table(f"{tasks_dir / 'train.parquet'},{tasks_dir / 'nowhere.parquet'}")

@@ -117,6 +117,62 @@ def test_sample_frame_indices_rules():
         sample_frame_indices(0, 4.0, fps=2.0, max_frames=8)
 
 
+def exif_rotated_jpeg() -> bytes:
+    """A JPEG stored 320x240 (left half red, right half blue) with EXIF Orientation 6 (rotate 90
+    degrees clockwise to display): a viewer shows it 240 wide and 320 high, red on top."""
+    stored = np.zeros((240, 320, 3), np.uint8)
+    stored[:, :160] = (255, 0, 0)
+    stored[:, 160:] = (0, 0, 255)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # Orientation
+    buf = io.BytesIO()
+    Image.fromarray(stored).save(buf, format="JPEG", quality=95, exif=exif)
+    return buf.getvalue()
+
+
+def test_exif_orientation_applied_on_every_source(tmp_path: Path):
+    data = exif_rotated_jpeg()
+    (tmp_path / "phone.jpg").write_bytes(data)
+    with Image.open(io.BytesIO(data)) as raw:
+        assert raw.size == (320, 240) and raw.getexif()[0x0112] == 6  # stored sideways
+        from_pil = load_image(raw)
+    from_path = load_image("phone.jpg", base_dir=tmp_path)
+    from_bytes = load_image({"bytes": data, "path": "phone.jpg"})
+    for image in (from_path, from_bytes, from_pil):
+        assert image.mode == "RGB" and image.size == (240, 320)
+        pixels = np.asarray(image).astype(float)
+        np.testing.assert_allclose(pixels[:140].mean((0, 1)), (255, 0, 0), atol=6)  # red on top
+        np.testing.assert_allclose(pixels[180:].mean((0, 1)), (0, 0, 255), atol=6)  # blue below
+    assert np.array_equal(np.asarray(from_path), np.asarray(from_bytes))
+    assert np.array_equal(np.asarray(from_path), np.asarray(from_pil))
+
+
+def test_sixteen_bit_png_ramp_scaled_to_eight_bits(tmp_path: Path):
+    """A 16-bit grayscale ramp (mode I;16) keeps its ramp: convert('RGB') alone clips it to white."""
+    ramp = np.tile(np.linspace(0, 65535, 256).round().astype(np.uint16), (16, 1))
+    Image.fromarray(ramp).save(tmp_path / "ramp16.png")
+    with Image.open(tmp_path / "ramp16.png") as raw:
+        assert raw.mode == "I;16"
+    image = np.asarray(load_image(tmp_path / "ramp16.png")).astype(float)
+    assert image.shape == (16, 256, 3)
+    assert image.mean() == pytest.approx(127.5, abs=0.6)
+    assert image[:, 0].max() == 0 and image[:, -1].min() == 255
+    assert np.all(np.diff(image[0, :, 0]) >= 0)
+
+
+@pytest.mark.parametrize("mode, fill, expected", [
+    ("1", 1, 255), ("L", 128, 128), ("P", 0, 0), ("I;16", 128 * 257, 128), ("I;16B", 128 * 257, 128),
+    ("I", 128 * 257, 128), ("I", 128, 128), ("F", 0.5, 128), ("F", 128.0, 128),
+    ("LA", (128, 255), 128), ("La", (128, 255), 128), ("RGBa", (128, 128, 128, 255), 128),
+    ("CMYK", (0, 0, 0, 127), 128), ("YCbCr", (128, 128, 128), 128), ("HSV", (0, 0, 128), 128),
+    ("LAB", (137, 128, 128), 128),  # L* = 53.7 (137/255 * 100), neutral a/b: sRGB mid grey
+])
+def test_every_pillow_mode_maps_to_sensible_rgb(mode, fill, expected):
+    image = load_image(Image.new(mode, (6, 4), fill))
+    assert image.mode == "RGB" and image.size == (6, 4)
+    np.testing.assert_allclose(np.asarray(image).astype(float), expected, atol=2)
+
+
 def test_load_image_sources_and_errors(tmp_path: Path):
     img = _random_image(np.random.default_rng(3), 30, 40, "RGBA")
     img.save(tmp_path / "a.png")

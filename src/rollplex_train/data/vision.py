@@ -3,8 +3,11 @@
 Legend: T frames, H/W pixels, C = 3 channels, Np patches, D = C * temporal_patch_size * patch_size**2
 patch features (1176 for Qwen2-VL: 3 * 2 * 14 * 14).
 
-Images follow transformers' ``Qwen2VLImageProcessorPil`` step by step (RGB conversion compositing
-alpha on white, ``smart_resize`` with factor ``patch_size * merge_size``, PIL BICUBIC resize,
+Images are first turned the way they are displayed (EXIF ``Orientation`` applied with
+``ImageOps.exif_transpose``, as browsers and phone galleries do) and brought to 8-bit RGB from any
+mode Pillow opens (16-bit and 32-bit integer and float grayscale scaled to 8 bits, premultiplied alpha
+un-premultiplied). Then they follow transformers'
+``Qwen2VLImageProcessorPil`` step by step (RGB conversion compositing alpha on white, ``smart_resize`` with factor ``patch_size * merge_size``, PIL BICUBIC resize,
 rescale by 1/255 in float64 then float32, OPENAI CLIP mean/std normalisation, patch layout
 ``(t, h/m, w/m, m, m, C, tp, p, p)``), so the output equals the processor's to float32 rounding.
 
@@ -26,7 +29,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -69,8 +72,34 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
     return h_bar, w_bar
 
 
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def _to_8bit_gray(image: Image.Image) -> Image.Image:
+    """Mode ``L`` copy of a high-bit-depth grayscale image (``I;16*``, ``I``, ``F``).
+
+    ``convert("L")`` clips these at 255, so a 16-bit ramp comes out almost all white. Instead:
+    16-bit modes map 0..65535 to 0..255 (divide by 257); ``I`` (32-bit, what older Pillow gives
+    16-bit PNGs) is taken as 16-bit when a value exceeds 255, else as 8-bit; ``F`` is taken as
+    0..1 when no value exceeds 1, else as 0..255. Values outside the range are clipped.
+    """
+    values = np.asarray(image).astype(np.float64)
+    top = float(values.max()) if values.size else 0.0
+    if image.mode in _SIXTEEN_BIT or (image.mode == "I" and top > 255):
+        values = np.clip(values, 0, 65535) / 257.0
+    elif image.mode == "F" and top <= 1.0:
+        values = values * 255.0
+    return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8))
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB copy of ``image``; transparency is composited onto white (as transformers does)."""
+    """8-bit RGB copy of ``image`` in any mode Pillow opens; transparency is composited onto white
+    (as transformers does). High-bit-depth grayscale is scaled to 8 bits (``_to_8bit_gray``),
+    premultiplied ``La``/``RGBa`` are un-premultiplied first (Pillow cannot convert ``La`` to RGB)."""
+    if image.mode in _SIXTEEN_BIT + ("I", "F"):
+        image = _to_8bit_gray(image)
+    elif image.mode in ("La", "RGBa"):
+        image = image.convert("LA" if image.mode == "La" else "RGBA")
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -87,7 +116,11 @@ def resolve_path(path: Union[str, os.PathLike], base_dir: Optional[Union[str, os
 
 
 def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = None) -> Image.Image:
-    """Open one image as a decoded RGB ``PIL.Image``.
+    """Open one image as a decoded 8-bit RGB ``PIL.Image``, oriented as displayed.
+
+    The EXIF ``Orientation`` tag is applied (``ImageOps.exif_transpose``): a JPEG stored 320x240
+    with Orientation 6 comes out 240x320, as a viewer shows it, from a path, bytes or a PIL image
+    alike. Every mode is mapped to RGB by :func:`to_rgb`.
 
     Args:
         item: a path (relative paths are resolved against ``base_dir``), a dict in the HF datasets
@@ -99,7 +132,7 @@ def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = No
         ValueError: the file or bytes cannot be decoded as an image, or ``item`` has another type.
     """
     if isinstance(item, Image.Image):
-        return to_rgb(item)
+        return to_rgb(ImageOps.exif_transpose(item))
     source: Any
     if isinstance(item, dict):
         if item.get("bytes") is not None:
@@ -119,7 +152,7 @@ def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = No
     try:
         with Image.open(source) as img:
             img.load()
-            return to_rgb(img)
+            return to_rgb(ImageOps.exif_transpose(img))
     except (UnidentifiedImageError, OSError, SyntaxError) as err:  # PIL raises all three on bad data
         raise ValueError(f"corrupt image {name}: {err}") from err
 
