@@ -17,6 +17,7 @@ from rollplex_train.data.vision import (
     patchify_images,
     patchify_video,
     sample_frame_indices,
+    sample_frames_by_time,
     smart_resize,
 )
 
@@ -106,6 +107,58 @@ def test_load_video_frame_count_and_fps(tmp_path: Path):
     bad.write_bytes(b"not a video at all" * 10)
     with pytest.raises(ValueError, match="bad.mp4"):
         load_video(bad, fps=2.0, max_frames=8)
+
+
+def _write_vfr_mp4(path: Path) -> np.ndarray:
+    """A phone-like variable-frame-rate clip: 30 fps for 1 s, 10 fps for 1 s, 15 fps for 1 s (55
+    frames, pts in 1/30 s); frame k is flat grey 4 * k. Returns the frames' start times in seconds."""
+    import fractions
+
+    import av
+
+    pts = list(range(30)) + [30 + 3 * i for i in range(10)] + [60 + 2 * i for i in range(15)]
+    tb = fractions.Fraction(1, 30)
+    with av.open(str(path), "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=30)
+        stream.width = stream.height = 64
+        stream.pix_fmt = "yuv420p"
+        stream.codec_context.time_base = tb
+        stream.options = {"crf": "10", "threads": "1", "bf": "0"}
+        for k, p in enumerate(pts):
+            frame = av.VideoFrame.from_ndarray(np.full((64, 64, 3), 4 * k, np.uint8), format="rgb24")
+            frame.pts, frame.time_base = p, tb
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return np.asarray(pts) / 30
+
+
+def test_variable_frame_rate_sampled_by_timestamp(tmp_path: Path):
+    """Index picks (linspace over 55 frames: 0, 18, 36, 54) land up to 0.38 s from the requested
+    times 0, 0.978, 1.956, 2.933 s; picking by timestamp takes the nearest frames 0, 29, 40, 54."""
+    starts = _write_vfr_mp4(tmp_path / "vfr.mp4")
+    frames, sample_fps = load_video(tmp_path / "vfr.mp4", fps=2.0, max_frames=8)
+    picked = [int(round(float(f.mean()) / 4)) for f in frames]  # frame k is grey 4 * k
+    assert picked == [0, 29, 40, 54]
+    requested = np.linspace(starts[0], starts[-1], 4)
+    assert np.abs(starts[picked] - requested).max() < 0.05  # within half the 10 fps interval
+    import decord
+
+    stamps = decord.VideoReader(str(tmp_path / "vfr.mp4")).get_frame_timestamp(range(55))
+    assert sample_fps == pytest.approx(4 / (stamps[-1, 1] - stamps[0, 0]))  # n / duration from timestamps
+    _, _, seconds = patchify_video(frames, min_pixels=MIN_PIXELS, max_pixels=MIN_PIXELS, sample_fps=sample_fps)
+    assert seconds.item() == pytest.approx(2 / sample_fps)
+
+
+def test_sample_frames_by_time_on_irregular_stamps():
+    starts = np.array([0.0, 0.1, 0.2, 1.0, 1.25, 2.75, 3.0])
+    stamps = np.stack([starts, np.append(starts[1:], 3.25)], axis=1)
+    indices, sample_fps = sample_frames_by_time(stamps, fps=1.0, max_frames=4, min_frames=4)
+    # 4 frames at times 0, 1, 2, 3 s: nearest starts 0.0, 1.0, (1.25 vs 2.75: a tie, the earlier), 3.0
+    assert indices == [0, 3, 4, 6] and sample_fps == pytest.approx(4 / 3.25)
+    with pytest.raises(ValueError, match="shape"):
+        sample_frames_by_time(np.zeros((0, 2)), fps=1.0, max_frames=4)
 
 
 def test_sample_frame_indices_rules():

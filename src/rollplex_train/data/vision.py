@@ -11,9 +11,13 @@ un-premultiplied). Then they follow transformers'
 rescale by 1/255 in float64 then float32, OPENAI CLIP mean/std normalisation, patch layout
 ``(t, h/m, w/m, m, m, C, tp, p, p)``), so the output equals the processor's to float32 rounding.
 
-Videos: frames are sampled as qwen-vl-utils does (``fps`` frames per second of video, at least
-``min_frames``, at most ``max_frames``, a multiple of ``temporal_patch_size``, indices evenly spread by
-rounding a linspace over the clip) and each frame is then resized exactly like an image (PIL BICUBIC,
+Videos: frames are counted as qwen-vl-utils does (``fps`` frames per second of video, at least
+``min_frames``, at most ``max_frames``, a multiple of ``temporal_patch_size``) and picked by
+presentation timestamp: the frame nearest to each of ``n`` times evenly spread from the first to the
+last frame (for a constant frame rate these are qwen-vl-utils' rounded-linspace indices; for a
+variable one, e.g. a phone recording, index picks would drift from the requested times). The clip's
+duration comes from the timestamps too, and the sampled rate is qwen-vl-utils' ``n / duration``.
+Each frame is then resized exactly like an image (PIL BICUBIC,
 where qwen-vl-utils uses torchvision's antialiased bicubic); the per-frame pixel cap is ``max_pixels``
 as given (qwen-vl-utils additionally shrinks it by a total-pixel budget over all frames). The patch
 layout is that of ``Qwen2VLVideoProcessor``; a static video therefore gives the image path's patches.
@@ -214,34 +218,66 @@ def patchify_images(images: list[Image.Image], *, min_pixels: int, max_pixels: i
     return pixel_values, torch.tensor(grids, dtype=torch.int64)
 
 
+def sample_frames_by_time(timestamps: np.ndarray, *, fps: float, max_frames: int, min_frames: int = 4,
+                          temporal_patch_size: int = 2) -> tuple[list[int], float]:
+    """Frames to read, picked by presentation time; the count follows qwen-vl-utils' ``smart_nframes``.
+
+    ``n = duration * fps`` clamped to ``[min_frames, max_frames]`` (rounded up / down to multiples
+    of ``temporal_patch_size``) and to the number of frames, then floored to a multiple of
+    ``temporal_patch_size``; ``duration`` is the end of the last frame minus the start of the first.
+    The frame whose start is nearest to each of ``np.linspace(first start, last start, n)`` is taken
+    (ties to the earlier frame). A clip shorter than ``temporal_patch_size`` frames gives all its
+    frames (``patchify_video`` pads by repeating the last one).
+
+    Args:
+        timestamps: (T, 2) float seconds, ``[start, end]`` of each frame in decode order (decord's
+            ``VideoReader.get_frame_timestamp``).
+
+    Returns:
+        ``(indices, sample_fps)``: sorted frame indices and ``n / duration`` frames per second
+        (qwen-vl-utils' ``sample_fps``; ``patchify_video`` turns it into ``second_per_grid_ts``).
+
+    Raises:
+        ValueError: no frames, timestamps not (T, 2), or a duration that is not positive.
+    """
+    stamps = np.asarray(timestamps, dtype=np.float64)
+    if stamps.ndim != 2 or stamps.shape[0] == 0 or stamps.shape[1] != 2:
+        raise ValueError(f"video with frame timestamps of shape {stamps.shape}: expected (T > 0, 2)")
+    total = stamps.shape[0]
+    duration = float(stamps[-1, 1] - stamps[0, 0])
+    if not duration > 0:
+        raise ValueError(f"video with {total} frames lasting {duration} s: nothing to sample")
+    if total < temporal_patch_size:
+        return list(range(total)), total / duration
+    factor = temporal_patch_size
+    lo = math.ceil(min_frames / factor) * factor
+    hi = max(factor, math.floor(max_frames / factor) * factor)
+    n = min(max(duration * fps, lo), hi, total)
+    n = max(factor, math.floor(n / factor) * factor)
+    starts = stamps[:, 0]
+    targets = np.linspace(starts[0], starts[-1], n)
+    right = np.clip(np.searchsorted(starts, targets), 1, total - 1)  # starts[right - 1] <= target <~ starts[right]
+    nearer_left = np.abs(targets - starts[right - 1]) <= np.abs(starts[right] - targets)
+    return np.where(nearer_left, right - 1, right).astype(np.int64).tolist(), n / duration
+
+
 def sample_frame_indices(total_frames: int, video_fps: float, *, fps: float, max_frames: int,
                          min_frames: int = 4, temporal_patch_size: int = 2) -> list[int]:
-    """Frame indices to read, chosen as qwen-vl-utils' ``smart_nframes`` + rounded linspace do.
-
-    ``n = total_frames / video_fps * fps`` clamped to ``[min_frames, max_frames]`` (rounded up / down
-    to multiples of ``temporal_patch_size``) and to ``total_frames``, then floored to a multiple of
-    ``temporal_patch_size``. A clip shorter than ``temporal_patch_size`` frames gives all its frames
-    (``patchify_video`` pads by repeating the last one).
+    """Frame indices of a constant-rate clip: :func:`sample_frames_by_time` on frames ``i / video_fps``.
 
     Raises:
         ValueError: ``total_frames`` or ``video_fps`` is not positive.
     """
     if total_frames <= 0 or not video_fps > 0:
         raise ValueError(f"video with {total_frames} frames at {video_fps} fps: nothing to sample")
-    if total_frames < temporal_patch_size:
-        return list(range(total_frames))
-    factor = temporal_patch_size
-    lo = math.ceil(min_frames / factor) * factor
-    hi = max(factor, math.floor(max_frames / factor) * factor)
-    n = total_frames / video_fps * fps
-    n = min(max(n, lo), hi, total_frames)
-    n = max(factor, math.floor(n / factor) * factor)
-    return np.rint(np.linspace(0, total_frames - 1, n)).astype(np.int64).tolist()
+    starts = np.arange(total_frames) / video_fps
+    return sample_frames_by_time(np.stack([starts, starts + 1 / video_fps], axis=1), fps=fps, max_frames=max_frames,
+                                 min_frames=min_frames, temporal_patch_size=temporal_patch_size)[0]
 
 
 def load_video(path: Union[str, os.PathLike], *, fps: float, max_frames: int, min_frames: int = 4,
                temporal_patch_size: int = 2) -> tuple[np.ndarray, float]:
-    """Read evenly sampled frames of a video file with decord.
+    """Read frames evenly spread in presentation time (:func:`sample_frames_by_time`) with decord.
 
     Args:
         path: video file (mp4 etc.).
@@ -251,7 +287,8 @@ def load_video(path: Union[str, os.PathLike], *, fps: float, max_frames: int, mi
 
     Returns:
         frames: (T, H, W, 3) uint8 RGB.
-        sample_fps: frames per second of the sampled sequence, ``T / total_frames * video_fps``.
+        sample_fps: frames per second of the sampled sequence, ``T / duration`` with the duration
+            from the frames' timestamps (``T / total_frames * video_fps`` for a constant rate).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -264,15 +301,16 @@ def load_video(path: Union[str, os.PathLike], *, fps: float, max_frames: int, mi
 
     try:
         reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=1)
-        total, video_fps = len(reader), float(reader.get_avg_fps())
-        indices = sample_frame_indices(total, video_fps, fps=fps, max_frames=max_frames, min_frames=min_frames,
-                                       temporal_patch_size=temporal_patch_size)
+        if len(reader) == 0:
+            raise ValueError("no frames")
+        timestamps = reader.get_frame_timestamp(range(len(reader)))
+        indices, sample_fps = sample_frames_by_time(timestamps, fps=fps, max_frames=max_frames,
+                                                    min_frames=min_frames, temporal_patch_size=temporal_patch_size)
         frames = reader.get_batch(indices).asnumpy()
     except ValueError as err:
         raise ValueError(f"corrupt video {path}: {err}") from err
     except Exception as err:  # decord raises its own DECORDError (a RuntimeError) on bad data
         raise ValueError(f"corrupt video {path}: {type(err).__name__}: {err}") from err
-    sample_fps = len(indices) / max(total, 1e-6) * video_fps
     return np.ascontiguousarray(frames, dtype=np.uint8), sample_fps
 
 
