@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rollplex_train.config import DataConfig
-from rollplex_train.data.dataset import PromptDataset, PromptLoader, load_table
+from rollplex_train.data.dataset import PromptDataset, load_table
+from rollplex_train.data.loader import PromptLoader
 from rollplex_train.data.synthetic import MANIFEST_SCHEMA, VisualTaskSpec, generate_visual_tasks
 
 NUM_TRAIN = 8  # per task
@@ -259,6 +260,65 @@ def test_loader_deterministic_and_resumable(tasks_dir: Path, tokenizer):
     assert after[1] != first[0]  # a new permutation each epoch
     other = PromptLoader(ds, batch_size=5, shuffle=True, seed=8)
     assert _uids(other.next_batch()[0]) != first[0]
+
+
+def test_resume_on_changed_data_refused_or_restarts_epoch(tasks_dir: Path, tokenizer, caplog):
+    """A 6-of-8 position must not be applied to a 5-row file (it would silently roll into epoch 1)."""
+    rows = pq.read_table(tasks_dir / "color_train.parquet").to_pylist()
+    eight = _write_rows(tasks_dir / "eight.parquet", rows[:8])
+    five = _write_rows(tasks_dir / "five.parquet", rows[:5])
+    saved = PromptLoader(PromptDataset(_cfg(eight), tokenizer, eight, "train"), batch_size=2, shuffle=False, seed=0)
+    for _ in range(3):
+        saved.next_batch()
+    state = saved.state_dict()
+    assert (state["epoch"], state["position"]) == (0, 6) and len(state["data_fingerprint"]) == 64
+
+    same = PromptLoader(PromptDataset(_cfg(eight), tokenizer, eight, "train"), batch_size=2, shuffle=False, seed=0)
+    same.load_state_dict(state)
+    assert _uids(same.next_batch()[0]) == ["train:6", "train:7"]
+
+    other = PromptLoader(PromptDataset(_cfg(five), tokenizer, five, "train"), batch_size=2, shuffle=False, seed=0)
+    with pytest.raises(ValueError, match="five.parquet.*data.resume_on_changed_data=true"):
+        other.load_state_dict(state)
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.data.loader"):
+        other.load_state_dict(state, resume_on_changed_data=True)
+    assert "restarts" in caplog.text
+    assert (other.epoch, other.position) == (0, 0)
+    assert _uids(other.next_batch()[0]) == ["train:0", "train:1"]  # epoch 0 from its start
+
+    moved = tasks_dir / "moved"
+    moved.mkdir(exist_ok=True)
+    copy = moved / "renamed.parquet"
+    copy.write_bytes(Path(eight).read_bytes())  # same bytes elsewhere: the same data
+    again = PromptLoader(PromptDataset(_cfg(str(copy)), tokenizer, str(copy), "train"), batch_size=2, shuffle=False,
+                         seed=0)
+    again.load_state_dict(state)
+    assert again.position == 6
+
+
+def test_trainer_refuses_resume_on_changed_data_before_ray(tasks_dir: Path, tiny_ckpt_qwen25, tmp_path):
+    from rollplex_train.config import Config, ModelConfig, TrainerConfig
+    from rollplex_train.tracking.checkpoint import save_json
+    from rollplex_train.trainer import Trainer
+
+    rows = pq.read_table(tasks_dir / "color_train.parquet").to_pylist()
+    eight = _write_rows(tasks_dir / "eight_t.parquet", rows[:8])
+    five = _write_rows(tasks_dir / "five_t.parquet", rows[:5])
+
+    def config(files: str, resume: str = str(tmp_path / "ckpt"), **data) -> Config:
+        return Config(model=ModelConfig(path=str(tiny_ckpt_qwen25)),
+                      data=DataConfig(train_files=files, val_files="", rollout_batch_size=2, shuffle=False, **data),
+                      trainer=TrainerConfig(output_dir=str(tmp_path / "run"), resume=resume, loggers=["jsonl"]))
+
+    first = Trainer(config(eight, resume="disable"), tmp_path / "run")
+    for _ in range(3):
+        first.loader.next_batch()
+    (tmp_path / "ckpt").mkdir()
+    save_json({"step": 3, "loader": first.loader.state_dict()}, tmp_path / "ckpt" / "trainer_state.json")
+    with pytest.raises(ValueError, match="data.resume_on_changed_data"):
+        Trainer(config(five), tmp_path / "run")
+    Trainer(config(five, resume_on_changed_data=True), tmp_path / "run")  # accepted; the epoch restarts at resume
+    Trainer(config(eight), tmp_path / "run")  # the same data resumes
 
 
 def test_loader_skips_bad_rows(tasks_dir: Path, tokenizer):

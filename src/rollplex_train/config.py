@@ -91,6 +91,9 @@ class DataConfig:
     video_max_frames: int = 8
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 56 * 56
+    resume_on_changed_data: bool = False
+    """Resuming a checkpoint saved on other train data (another file fingerprint): false refuses to
+    start; true warns and restarts the checkpoint's epoch from its beginning on the new data."""
 
     def __post_init__(self) -> None:
         if not self.train_files:

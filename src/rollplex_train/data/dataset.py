@@ -1,4 +1,4 @@
-"""Prompt datasets in the EasyR1 schema, and a resumable loader of fixed-size prompt batches.
+"""Prompt datasets in the EasyR1 schema (the resumable batch loader is ``data/loader.py``).
 
 A manifest (parquet or jsonl) has one row per prompt: ``problem`` (text with ``<image>``/``<video>``
 placeholders), ``answer``, optional ``images`` / ``videos`` (lists of paths relative to the
@@ -184,6 +184,11 @@ class PromptDataset:
         return int(self._offsets[-1])
 
     @property
+    def paths(self) -> list[str]:
+        """The split's data files, in row order."""
+        return list(self._paths)
+
+    @property
     def num_bad(self) -> int:
         """Rows found bad so far (each counted once)."""
         return len(self._bad)
@@ -321,86 +326,4 @@ class PromptDataset:
             yield batch
 
 
-class PromptLoader:
-    """Endless, resumable batches of valid prompts, epoch after epoch.
-
-    Each epoch visits every row once, in a permutation drawn from ``(seed, epoch)`` (or in row order
-    without ``shuffle``). Bad rows are skipped and counted in the batch's ``num_skipped``. With
-    ``drop_last`` a batch never spans two epochs: the short tail of an epoch is dropped, so every
-    batch holds exactly ``batch_size`` prompts; without it the tail is returned short.
-
-    Args:
-        dataset: the prompts.
-        batch_size: prompts per batch (> 0).
-        shuffle: permute rows each epoch.
-        seed: base of the per-epoch permutation.
-        drop_last: drop the short last batch of each epoch.
-    """
-
-    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool = True):
-        if batch_size <= 0:
-            raise ValueError(f"batch_size={batch_size}: expected > 0")
-        self.dataset, self.batch_size, self.shuffle, self.seed, self.drop_last = (
-            dataset, batch_size, shuffle, seed, drop_last)
-        self.epoch, self.position, self._batches_in_epoch = 0, 0, 0
-        self._order: Optional[np.ndarray] = None
-
-    def _epoch_order(self) -> np.ndarray:
-        if self._order is None:
-            n = len(self.dataset)
-            self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle
-                           else np.arange(n))
-        return self._order
-
-    def _next_epoch(self) -> None:
-        if self._batches_in_epoch == 0:
-            raise ValueError(
-                f"epoch {self.epoch} of split {self.dataset.split!r} gave no batch of {self.batch_size}: only "
-                f"{len(self.dataset) - self.dataset.num_bad} of {len(self.dataset)} rows are valid "
-                f"(skipped: {dict(self.dataset.skipped)})"
-            )
-        self.epoch, self.position, self._batches_in_epoch, self._order = self.epoch + 1, 0, 0, None
-
-    def next_batch(self) -> tuple[list[PromptSample], int]:
-        """The next batch and the number of bad rows skipped while filling it.
-
-        Raises:
-            ValueError: a whole epoch yields no batch (no valid rows, or fewer than ``batch_size``
-                with ``drop_last``).
-        """
-        batch: list[PromptSample] = []
-        num_skipped = 0
-        while len(batch) < self.batch_size:
-            order = self._epoch_order()
-            if self.position >= len(order):
-                if batch and not self.drop_last:
-                    break  # the short tail; the next call rolls over to the next epoch
-                self._next_epoch()
-                batch = []  # the dropped tail's skips still count in num_skipped
-                continue
-            sample = self.dataset.get(int(order[self.position]))
-            self.position += 1
-            if sample is None:
-                num_skipped += 1
-            else:
-                batch.append(sample)
-        self._batches_in_epoch += 1
-        return batch, num_skipped
-
-    def __iter__(self) -> Iterator[list[PromptSample]]:
-        while True:
-            yield self.next_batch()[0]
-
-    def state_dict(self) -> dict[str, int]:
-        """Where the next batch starts: ``{"epoch", "position", "batches_in_epoch"}``."""
-        return {"epoch": self.epoch, "position": self.position, "batches_in_epoch": self._batches_in_epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume so that the next batch equals the one the saved loader would have produced."""
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._batches_in_epoch = int(state.get("batches_in_epoch", 1 if self.position else 0))
-        self._order = None
-
-    def iter_all(self, batch_size: int, max_samples: int = -1) -> Iterator[list[PromptSample]]:
-        """One in-order pass over the dataset (validation); see :meth:`PromptDataset.iter_all`."""
-        return self.dataset.iter_all(batch_size, max_samples)
+from rollplex_train.data.loader import PromptLoader  # noqa: E402,F401  (its home before data/loader.py)
