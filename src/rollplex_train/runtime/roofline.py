@@ -155,10 +155,16 @@ class RooflineModel:
         v = est.vision_dims(self.hf)
         return per_layer * v.layers * self._allreduce_s(v.hidden * est.BF16, tp) * self.w.vision_patches
 
+    def _pass_s(self, flops: float, nbytes: float, mfu: float, share: int) -> float:
+        """Roofline seconds of a pass of ``flops`` reading ``nbytes`` of HBM on ``share``."""
+        memory = nbytes / (self.gpu.hbm_gbs * GB * self.eff.decode_mbu * self._bw_frac(share))
+        return max(self._compute_s(flops, mfu, share), memory)
+
     def prefix_s(self, share: int) -> float:
-        """Seconds per prompt token of a prefix forward pass (old / ref / actor) on ``share``."""
+        """Seconds per prompt token of a prefix forward pass (old / ref / actor) on ``share``: one
+        prompt per pass, the rank's weight shard read once per pass."""
         w = self.w
-        s = self._compute_s(self.prefix_flops() / w.train_tp, self.eff.train_mfu, share)
+        s = self._pass_s(self.prefix_flops() / w.train_tp, self.weight_bytes / w.train_tp, self.eff.train_mfu, share)
         comm = self._token_comm_s(w.train_tp, 2) * w.prompt_tokens + self._vision_comm_s(w.train_tp, 2)
         return (s + comm) / w.prompt_tokens
 
@@ -166,15 +172,18 @@ class RooflineModel:
         """Seconds per prompt token of the rollout's prefill (one prefill per prompt: the G samples
         share its KV cache, SGLang's radix cache)."""
         w = self.w
-        s = self._compute_s(self.prefix_flops() / w.rollout_tp, self.eff.prefill_mfu, share)
+        s = self._pass_s(self.prefix_flops() / w.rollout_tp, self.weight_bytes / w.rollout_tp, self.eff.prefill_mfu,
+                         share)
         comm = self._token_comm_s(w.rollout_tp, 2) * w.prompt_tokens + self._vision_comm_s(w.rollout_tp, 2)
         return (s + comm) / w.prompt_tokens
 
     def suffix_s(self, share: int) -> float:
-        """Seconds per response token of a no-grad suffix pass (old / ref log-probs)."""
+        """Seconds per response token of a no-grad suffix pass (old / ref log-probs); one group's
+        G responses per pass."""
         w = self.w
-        return self._compute_s(self.suffix_flops_per_token() / w.train_tp, self.eff.train_mfu, share) + \
-            self._token_comm_s(w.train_tp, 2)
+        group_tokens = w.n * w.response_tokens
+        return self._pass_s(self.suffix_flops_per_token() / w.train_tp, self.weight_bytes / w.train_tp / group_tokens,
+                            self.eff.train_mfu, share) + self._token_comm_s(w.train_tp, 2)
 
     def update_s(self, share: int) -> float:
         """Seconds per response token of the actor update: suffix forward+backward (+ recompute) and
@@ -183,19 +192,22 @@ class RooflineModel:
         passes, collectives = self._passes()
         group_tokens = w.n * w.response_tokens
         flops = passes * self.suffix_flops_per_token() + (passes - 1) * self.prefix_flops() / group_tokens
+        nbytes = 2 * passes * self.weight_bytes / group_tokens  # weights read per pass over prefix and suffix
         comm = self._token_comm_s(w.train_tp, collectives) * (1 + w.prompt_tokens / group_tokens) + \
             self._vision_comm_s(w.train_tp, collectives - 2) / group_tokens
-        return self._compute_s(flops / w.train_tp, self.eff.train_mfu, share) + comm
+        return self._pass_s(flops / w.train_tp, nbytes / w.train_tp, self.eff.train_mfu, share) + comm
+
+    def gradient_bytes(self) -> float:
+        """bf16 gradient bytes of one model-parallel rank (what one DP rank reduce-scatters)."""
+        return est.total_parameters(self.hf) / self.w.train_tp * est.BF16
 
     def optimizer_s(self) -> float:
-        """Seconds of one optimizer step: bf16 gradient reduce-scatter + parameter all-gather over the
-        DP group on the network (Megatron's distributed optimizer), Adam over the fp32 shard in HBM."""
-        w = self.w
-        params = est.total_parameters(self.hf) / w.train_tp
-        dp = w.train_dp
-        net = 0.0 if dp <= 1 else 2 * (dp - 1) / dp * params * est.BF16 / (
-            self.gpu.internode_gbs * GB * self.eff.internode_efficiency)
-        adam = params / dp * 3 * 2 * est.FP32 / (self.gpu.hbm_gbs * GB * self.eff.decode_mbu)  # read+write p, m, v
+        """Seconds of one optimizer step: gradient reduce-scatter + parameter all-gather over the DP
+        group on the network, ring cost ``2 (d-1)/d * bytes`` (Megatron's distributed optimizer), and
+        Adam over the rank's fp32 shard in HBM (read and write of params, m, v)."""
+        dp, grads = self.w.train_dp, self.gradient_bytes()
+        net = 0.0 if dp <= 1 else 2 * (dp - 1) / dp * grads / (self.gpu.internode_gbs * GB * self.eff.internode_efficiency)
+        adam = grads / est.BF16 / dp * 3 * 2 * est.FP32 / (self.gpu.hbm_gbs * GB * self.eff.decode_mbu)
         return net + adam
 
     def decode_s(self, share: int) -> float:
@@ -207,11 +219,12 @@ class RooflineModel:
         flops = llm_forward_flops(t, rows, rows * ctx, rows) / w.rollout_tp
         nbytes = self.weight_bytes / w.rollout_tp + rows * ctx * est.kv_bytes_per_token(t, w.rollout_tp)
         bw = self._bw_frac(share)
-        if share < self.units:  # prefix passes on the other SMs read the weights once per forward
+        if share < self.units:  # prefix passes on the other SMs read the weights once per prompt
             other = self.units - share
-            prefix_time = self._compute_s(self.prefix_flops() / w.train_tp, self.eff.train_mfu, other)
-            demand = self.weight_bytes / w.train_tp / prefix_time / (self.gpu.hbm_gbs * GB)
-            bw = max(1e-3, min(bw, 1.0 - demand))
+            per_prompt = self.prefix_s(other) * w.prompt_tokens
+            achievable = self.gpu.hbm_gbs * GB * self.eff.decode_mbu
+            used = min(self._bw_frac(other), self.weight_bytes / w.train_tp / per_prompt / achievable)
+            bw = min(bw, max(1.0 - used, share / self.units))  # oversubscribed: bandwidth in proportion to SMs
         memory = nbytes / (self.gpu.hbm_gbs * GB * self.eff.decode_mbu * bw)
         compute = self._compute_s(flops, self.eff.decode_mfu, share)
         comm = 2 * t.layers * (self.eff.collective_latency_s + self._allreduce_s(rows * t.hidden * est.BF16,

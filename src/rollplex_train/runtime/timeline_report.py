@@ -104,6 +104,24 @@ def memory_copies(config: "Config", hf: Any, layout_name: str) -> Optional[dict[
     return out
 
 
+def colocated_predictions(model: RooflineModel, bytes_per_token: dict[str, float], budget: Optional[int],
+                          serial_copies: Optional[dict[str, Copies]] = None,
+                          rollplex_copies: Optional[dict[str, Copies]] = None):
+    """Serial and rollplex predictions of one device's roofline work (``model.w``) on the whole GPU.
+
+    Returns:
+        ({"serial": ..., "rollplex": ...}, the step graph, the roofline cost model).
+    """
+    w, units = model.w, model.units
+    graph = _graph(w, w.decode_steps, w.prompt_tokens, w.response_tokens, bytes_per_token)
+    cost = model.cost_model()
+    prefill = w.rollout_groups * w.prompt_tokens
+    preds = {"serial": predict_serial(graph, cost, units, prefill, copies=serial_copies),
+             "rollplex": predict_rollplex(graph, cost, units, prefill, memory_budget_bytes=budget,
+                                          copies=rollplex_copies)}
+    return preds, graph, cost
+
+
 def gpu_predictions(config: "Config", hf: Any) -> tuple[dict[str, StepPrediction], list[str]]:
     """Roofline predictions of the three schedules and lines describing the model's numbers."""
     from rollplex_train.memory.groups import step_groups
@@ -115,13 +133,9 @@ def gpu_predictions(config: "Config", hf: Any) -> tuple[dict[str, StepPrediction
     per_token = {"old": sizes.get("old_prefix_kv", 0) / work.prompt_tokens,
                  "ref": sizes.get("ref_prefix_kv", 0) / work.prompt_tokens,
                  "actor": sizes.get("actor_prefix_acts", 0) / work.prompt_tokens}
-    graph = _graph(work, work.decode_steps, work.prompt_tokens, work.response_tokens, per_token)
-    cost = model.cost_model()
-    prefill = work.rollout_groups * work.prompt_tokens
     serial_copies, rollplex_copies = memory_copies(config, hf, "serial"), memory_copies(config, hf, "rollplex")
-    preds = {"serial": predict_serial(graph, cost, units, prefill, copies=serial_copies),
-             "rollplex": predict_rollplex(graph, cost, units, prefill, memory_budget_bytes=_budget(config),
-                                          copies=rollplex_copies)}
+    preds, graph, cost = colocated_predictions(model, per_token, _budget(config), serial_copies, rollplex_copies)
+    prefill = work.rollout_groups * work.prompt_tokens
     half = lay.world_size // 2
     if half and half % (lay.train_tp * lay.train_pp) == 0 and half % lay.rollout_tp == 0:  # half the GPUs per side
         half_train_dp, half_rollout_dp = half // (lay.train_tp * lay.train_pp), half // lay.rollout_tp
