@@ -181,3 +181,57 @@ def test_rollplex_is_never_predicted_slower_than_serial(w, mbu, mfu, sat):
     m = model(w, decode_mbu=mbu, train_mfu=mfu, hbm_saturation_frac=sat)
     preds, _, _ = colocated_predictions(m, {}, None)
     assert preds["rollplex"].step_s <= preds["serial"].step_s + 1e-9
+
+
+# ---- calibration from a measured run ------------------------------------------------------------
+def fake_run(root: Path, step=3) -> Path:
+    """A rollplex run directory: a checkpoint's trainer_state.json with a cost model, and metrics."""
+    import json
+
+    from rollplex_train.runtime.cost_model import CostModel
+
+    cost = CostModel(switch_s=0.003)
+    for kind, rates in {"decode": {1: 0.06, 2: 0.045}, "prefix/old": {1: 0.004, 2: 0.0025},
+                        "prefix/ref": {1: 0.004, 2: 0.0025}, "prefix/actor": {1: 0.004, 2: 0.0025}}.items():
+        cost.rates[kind] = dict(rates)
+        cost.counts.update({(kind, c): 2 for c in rates})
+    ckpt = root / "checkpoints" / f"global_step_{step}"
+    ckpt.mkdir(parents=True)
+    schedule = {"cost": cost.state_dict(), "response_tokens": 1024, "decode_steps": 128,
+                "bytes_per_token": {"old": 1000.0, "ref": 1000.0, "actor": 3000.0}}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "schedule": schedule}))
+    rows = [{"step": s, "timing_s/old_log_prob": 1.6, "timing_s/ref": 1.7, "timing_s/update_actor": 5.5 + (s == 1),
+             "timing_s/reward": 0.01, "timing_s/adv": 0.02, "timing_s/update_weights": 0.003,
+             "prompt_length/mean": 100.0, "timing_s/step": 14.0 + s} for s in range(1, 6)]
+    (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def test_calibrated_prediction_uses_the_saved_cost_model_and_the_measured_phases(tmp_path):
+    from rollplex_train.runtime.timeline_report import cpu_predictions
+
+    run = fake_run(tmp_path / "run")
+    cfg = _config("+experiment=bench_cpu", f"timeline.run_dir={run}")
+    preds, notes = cpu_predictions(cfg)
+    serial, rollplex, disagg = preds["serial"], preds["rollplex"], preds["disaggregated"]
+    prefix = 8 * 100 * 0.0025  # 8 groups of 100 prompt tokens at the 2-thread rate, per role
+    assert serial.phases["gen"] == pytest.approx(128 * 0.045)
+    assert serial.phases["old_log_prob"] == pytest.approx(prefix + 1.6)
+    assert serial.phases["ref"] == pytest.approx(prefix + 1.7)
+    assert serial.phases["update_actor"] == pytest.approx(prefix + 5.5)  # step 1 (warm-up) left out
+    assert serial.step_s == pytest.approx(128 * 0.045 + 3 * prefix + 1.6 + 1.7 + 5.5 + 0.01 + 0.02 + 0.003)
+    full = preds["serial_full"]  # the prompt recomputed (and back-propagated) for each of the 8 responses
+    assert full.phases["old_log_prob"] == pytest.approx(8 * prefix + 1.6)
+    assert full.phases["update_actor"] == pytest.approx(8 * prefix + 7 * 2 * prefix + 5.5)
+    assert rollplex.plan.mode == "plan" and rollplex.phases["old_log_prob"] == pytest.approx(1.6)
+    assert rollplex.step_s <= serial.step_s
+    # disaggregated: one thread per side; decode and prefixes at their measured 1-thread rates
+    assert disagg.phases["gen"] == pytest.approx(128 * 0.06)
+    assert any("steps after it measured: 18.50 s median" in n for n in notes)  # steps 4 and 5 were logged
+    # a checkpoint directory works too, and a serial run (no cost model) is refused
+    preds2, _ = cpu_predictions(_config("+experiment=bench_cpu", f"timeline.run_dir={run}/checkpoints/global_step_3"))
+    assert preds2["serial"].step_s == pytest.approx(serial.step_s)
+    state = run / "checkpoints" / "global_step_3" / "trainer_state.json"
+    state.write_text('{"step": 3, "schedule": {}}')
+    with pytest.raises(ValueError, match="only schedule=rollplex runs save a cost model"):
+        cpu_predictions(cfg)

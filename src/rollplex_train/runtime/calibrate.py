@@ -11,6 +11,8 @@ the same run's ``metrics.jsonl`` (``timing_s/*``, medians over steps 2 .. the ch
 - ``update``: ``timing_s/update_actor`` per response token, less the actor prefixes of later
   mini-batches (the update computes those itself); the optimizer step is inside it (``optimizer`` 0);
 - ``reward``, ``adv``, ``sync`` (``timing_s/update_weights``): seconds per step;
+- ``prefix/backward`` (full-sequence baselines back-propagate every copy of the prompt): twice the
+  ``prefix/actor`` forward rate (backward = 2 x forward FLOPs; the torch engine does not recompute);
 - ``prefill``: 0 — the built-in engine's decode rate counts from the start of the rollout call,
   prefill included (``rollout/builtin.py`` decode accounting).
 
@@ -109,6 +111,9 @@ def load_run(run_dir: str | Path, groups: int, mini_batch_groups: int) -> Calibr
         "update": max(0.0, median("timing_s/update_actor") - in_update) / tokens,
         "reward": median("timing_s/reward"), "adv": median("timing_s/adv"),
         "sync": median("timing_s/update_weights"), "optimizer": 0.0, "prefill": 0.0})
+    backward = {c: 2 * r for c, r in cost.rates["prefix/actor"].items()}  # backward = 2 x forward FLOPs, no recompute
+    cost.rates["prefix/backward"] = backward
+    cost.counts.update({("prefix/backward", c): 2 for c in backward})
     return CalibratedRun(cost=cost, threads=threads, step=step, response_tokens=response_tokens,
                          decode_steps=int(schedule["decode_steps"]), prompt_tokens=prompt_tokens,
                          bytes_per_token={k: float(v) for k, v in schedule["bytes_per_token"].items()},

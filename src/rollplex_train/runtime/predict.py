@@ -88,36 +88,46 @@ def _actor_prefix_in_update(graph: StepGraph) -> list[Task]:
             for t in graph.of_kind("prefix/old") if t.group not in precomputed]
 
 
-def _after_decode(pred: StepPrediction, graph: StepGraph, cost: CostModel, share: int, *, with_prefix: bool,
+def _after_decode(pred: StepPrediction, graph: StepGraph, cost: CostModel, share: int, *, prefix_copies: int,
                   copies: dict[str, Copies]) -> None:
-    """reward .. update_weights; ``with_prefix``: the scoring and update phases run their own prefix
-    passes (serial), else only what the window could not precompute (rollplex)."""
+    """reward .. update_weights. ``prefix_copies``: 0 — the scoring and update phases run only what
+    the decode window could not precompute (rollplex); 1 — each runs its own prefix passes, once per
+    group (shared prefix); n — once per response (full sequences: the prompt is recomputed for each
+    of the G responses, and the update also back-propagates through every copy)."""
     pred.add("reward", cost.seconds("reward", 1, share))
     for phase, role in (("old_log_prob", "old"), ("ref", "ref")):
-        tasks = graph.of_kind(f"suffix/{role}") + (graph.of_kind(f"prefix/{role}") if with_prefix else [])
-        if tasks:
-            pred.add(phase, _seconds(cost, tasks, share), copies.get(phase))
+        suffix = _seconds(cost, graph.of_kind(f"suffix/{role}"), share)
+        if suffix or graph.of_kind(f"prefix/{role}"):
+            prefix = prefix_copies * _seconds(cost, graph.of_kind(f"prefix/{role}"), share)
+            pred.add(phase, suffix + prefix, copies.get(phase))
     pred.add("adv", cost.seconds("adv", 1, share))
     updates = graph.of_kind("update")
-    prefixes = _actor_prefix_in_update(graph) + (graph.of_kind("prefix/actor") if with_prefix else [])
-    pred.add("update_actor", _seconds(cost, updates + prefixes, share) + len(updates) * cost.seconds("optimizer", 1, share),
+    later = _actor_prefix_in_update(graph)
+    first = graph.of_kind("prefix/actor")
+    prefix = _seconds(cost, later, share) + prefix_copies * _seconds(cost, first, share)
+    if prefix_copies > 1:  # full sequences: every copy of the prefix is recomputed and back-propagated
+        every = first + later
+        prefix += (prefix_copies - 1) * (_seconds(cost, later, share) + sum(
+            cost.seconds("prefix/backward", t.tokens, share) for t in every))
+    pred.add("update_actor", _seconds(cost, updates, share) + prefix + len(updates) * cost.seconds("optimizer", 1, share),
              copies.get("update_actor"))
     pred.add("update_weights", cost.seconds("sync", 1, share), copies.get("update_weights"))
 
 
 def predict_serial(graph: StepGraph, cost: CostModel, share: int, prefill_tokens: int, *,
-                   schedule: str = "serial", rollout_share: Optional[int] = None,
+                   schedule: str = "serial", rollout_share: Optional[int] = None, prefix_copies: int = 1,
                    copies: Optional[dict[str, Copies]] = None) -> StepPrediction:
     """The serial phases: decode on ``rollout_share`` (default ``share``), then every scoring and
-    update phase with its prefix passes on ``share``. ``schedule="disaggregated"`` labels the same
+    update phase with its prefix passes on ``share`` (``prefix_copies``: 1 with the shared prefix,
+    G for full sequences; see :func:`_after_decode`). ``schedule="disaggregated"`` labels the same
     phases run on a disjoint device set / device share per side."""
     copies = copies or {}
     pred = StepPrediction(schedule)
     rollout = rollout_share or share
     pred.add("gen", cost.seconds("prefill", prefill_tokens, rollout) + cost.seconds("decode", graph.decode_steps, rollout),
              copies.get("gen"))
-    _after_decode(pred, graph, cost, share, with_prefix=True, copies=copies)
-    pred.prefix_s = _seconds(cost, graph.movable(), share)
+    _after_decode(pred, graph, cost, share, prefix_copies=prefix_copies, copies=copies)
+    pred.prefix_s = prefix_copies * _seconds(cost, graph.movable(), share)
     return pred
 
 
@@ -163,5 +173,5 @@ def predict_rollplex(graph: StepGraph, cost: CostModel, share: int, prefill_toke
     pred.phases["gen"] += decode_end - t0
     pred.add("prefix_after", _seconds(cost, after, share))
     pred.prefix_s, pred.hidden_s = hidden + pred.phases["prefix_after"], hidden
-    _after_decode(pred, graph, cost, share, with_prefix=False, copies=copies)
+    _after_decode(pred, graph, cost, share, prefix_copies=0, copies=copies)
     return pred

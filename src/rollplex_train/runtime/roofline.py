@@ -197,6 +197,11 @@ class RooflineModel:
             self._vision_comm_s(w.train_tp, collectives - 2) / group_tokens
         return self._pass_s(flops / w.train_tp, nbytes / w.train_tp, self.eff.train_mfu, share) + comm
 
+    def prefix_backward_s(self, share: int) -> float:
+        """Seconds per prompt token of back-propagating one prefix copy (backward and, with full
+        recompute, the recomputed forward): full-sequence updates pay it once per response."""
+        return (self._passes()[0] - 1) * self.prefix_s(share)
+
     def gradient_bytes(self) -> float:
         """bf16 gradient bytes of one model-parallel rank (what one DP rank reduce-scatters)."""
         return est.total_parameters(self.hf) / self.w.train_tp * est.BF16
@@ -248,6 +253,7 @@ class RooflineModel:
         """A :class:`CostModel` holding these rates at every share ``1 .. share_units``, every
         (kind, share) marked calibrated, and the share-switch cost."""
         per_share = {"decode": self.decode_s, "prefill": self.prefill_s, "prefix/old": self.prefix_s,
+                     "prefix/backward": self.prefix_backward_s,
                      "prefix/ref": self.prefix_s, "prefix/actor": self.prefix_s, "suffix/old": self.suffix_s,
                      "suffix/ref": self.suffix_s, "update": self.update_s}
         fixed = {"optimizer": self.optimizer_s(), "sync": self.network_sync_s() if network_sync else self.sync_s(),

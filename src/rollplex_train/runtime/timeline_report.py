@@ -42,6 +42,11 @@ def _budget(config: "Config") -> Optional[int]:
     return None if gib is None else int(gib * GIB)
 
 
+def _prefix_copies(config: "Config") -> int:
+    """Prefix passes per group in the serial baselines: 1 with ``model.shared_prefix``, else G."""
+    return 1 if config.model.shared_prefix else config.rollout.n
+
+
 def _mini_groups(config: "Config", groups: int, dp: int) -> int:
     mini = config.actor.ppo_mini_batch_size
     return groups if mini <= 0 else min(groups, math.ceil(mini / dp))
@@ -106,17 +111,21 @@ def memory_copies(config: "Config", hf: Any, layout_name: str) -> Optional[dict[
 
 def colocated_predictions(model: RooflineModel, bytes_per_token: dict[str, float], budget: Optional[int],
                           serial_copies: Optional[dict[str, Copies]] = None,
-                          rollplex_copies: Optional[dict[str, Copies]] = None):
-    """Serial and rollplex predictions of one device's roofline work (``model.w``) on the whole GPU.
+                          rollplex_copies: Optional[dict[str, Copies]] = None, copies_of_prefix: int = 1):
+    """Serial, serial with full sequences and rollplex predictions of one device's roofline work
+    (``model.w``) on the whole GPU; ``copies_of_prefix``: prefix passes per group in the serial
+    baseline (1: ``model.shared_prefix``, G: full sequences).
 
     Returns:
-        ({"serial": ..., "rollplex": ...}, the step graph, the roofline cost model).
+        ({"serial": ..., "serial_full": ..., "rollplex": ...}, the step graph, the roofline cost model).
     """
     w, units = model.w, model.units
     graph = _graph(w, w.decode_steps, w.prompt_tokens, w.response_tokens, bytes_per_token)
     cost = model.cost_model()
     prefill = w.rollout_groups * w.prompt_tokens
-    preds = {"serial": predict_serial(graph, cost, units, prefill, copies=serial_copies),
+    preds = {"serial": predict_serial(graph, cost, units, prefill, prefix_copies=copies_of_prefix, copies=serial_copies),
+             "serial_full": predict_serial(graph, cost, units, prefill, schedule="serial_full", prefix_copies=w.n,
+                                           copies=serial_copies),
              "rollplex": predict_rollplex(graph, cost, units, prefill, memory_budget_bytes=budget,
                                           copies=rollplex_copies)}
     return preds, graph, cost
@@ -134,7 +143,9 @@ def gpu_predictions(config: "Config", hf: Any) -> tuple[dict[str, StepPrediction
                  "ref": sizes.get("ref_prefix_kv", 0) / work.prompt_tokens,
                  "actor": sizes.get("actor_prefix_acts", 0) / work.prompt_tokens}
     serial_copies, rollplex_copies = memory_copies(config, hf, "serial"), memory_copies(config, hf, "rollplex")
-    preds, graph, cost = colocated_predictions(model, per_token, _budget(config), serial_copies, rollplex_copies)
+    repeats = _prefix_copies(config)
+    preds, graph, cost = colocated_predictions(model, per_token, _budget(config), serial_copies, rollplex_copies,
+                                               repeats)
     prefill = work.rollout_groups * work.prompt_tokens
     half = lay.world_size // 2
     if half and half % (lay.train_tp * lay.train_pp) == 0 and half % lay.rollout_tp == 0:  # half the GPUs per side
@@ -143,11 +154,12 @@ def gpu_predictions(config: "Config", hf: Any) -> tuple[dict[str, StepPrediction
         dmodel = RooflineModel(hf, dwork, config.gpu, config.timeline, frames)
         dgraph = _graph(dwork, dwork.decode_steps, dwork.prompt_tokens, dwork.response_tokens, per_token)
         preds["disaggregated"] = predict_serial(dgraph, dmodel.cost_model(network_sync=True), units,
-                                                dwork.rollout_groups * dwork.prompt_tokens, schedule="disaggregated")
+                                                dwork.rollout_groups * dwork.prompt_tokens, schedule="disaggregated",
+                                                prefix_copies=repeats)
         split = f"{half} GPUs rollout ({half_rollout_dp} engines) + {half} GPUs training (DP={half_train_dp})"
     else:  # too few GPUs to split: halves of each GPU's SMs
         preds["disaggregated"] = predict_serial(graph, cost, units - units // 2, prefill, schedule="disaggregated",
-                                                rollout_share=units // 2)
+                                                rollout_share=units // 2, prefix_copies=repeats)
         split = "each GPU's SMs in halves (too few GPUs for two disjoint sets)"
     rows = work.rollout_groups * work.n
     intensity = 2 * rows / (2 + 2 * rows * (work.prompt_tokens + work.decode_steps / 2) *
@@ -186,9 +198,11 @@ def cpu_predictions(config: "Config") -> tuple[dict[str, StepPrediction], list[s
                       recompute="none", needs_reference=config.algorithm.needs_reference)
     graph = _graph(work, run.decode_steps, run.prompt_tokens, work.response_tokens, run.bytes_per_token)
     t = run.threads
-    preds = {"serial": predict_serial(graph, run.cost, t, 0),
+    repeats = _prefix_copies(config)
+    preds = {"serial": predict_serial(graph, run.cost, t, 0, prefix_copies=repeats),
+             "serial_full": predict_serial(graph, run.cost, t, 0, schedule="serial_full", prefix_copies=config.rollout.n),
              "disaggregated": predict_serial(graph, run.cost, t // 2, 0, schedule="disaggregated",
-                                             rollout_share=(t + 1) // 2),
+                                             rollout_share=(t + 1) // 2, prefix_copies=repeats),
              "rollplex": predict_rollplex(graph, run.cost, t, 0, memory_budget_bytes=_budget(config))}
     measured = "none logged after it" if run.measured_step_s is None else f"{run.measured_step_s:.2f} s median"
     notes = [f"- calibrated from {run.source} (step {run.step}, {t} thread(s) per device); steps after it "
@@ -229,7 +243,7 @@ def report(config: "Config") -> str:
     else:
         raise ValueError("rollplex-plan timeline: cluster.device=cpu has no roofline model; set "
                          "timeline.run_dir=<output dir of a rollplex run> to predict from its saved cost model")
-    preds = {k: preds[k] for k in ("serial", "disaggregated", "rollplex")}
+    preds = {k: preds[k] for k in ("serial", "serial_full", "disaggregated", "rollplex")}
     serial, disagg, rollplex = preds["serial"], preds["disaggregated"], preds["rollplex"]
     plan = rollplex.plan
     units = "thread(s)" if config.timeline.run_dir else f"/{config.timeline.share_units} of the SMs"
@@ -238,7 +252,11 @@ def report(config: "Config") -> str:
              f"rollplex window: decode on {plan.decode_share}{units}, prefix tasks on {plan.train_share}{units}; "
              f"{len(plan.window_tasks)} of {len(plan.window_tasks) + len(plan.after_tasks)} movable tasks inside; "
              f"planner predicted {plan.predicted_s:.3f} s to the end of the prefix work against "
-             f"{plan.predicted_no_overlap_s:.3f} s without overlap"]
+             f"{plan.predicted_no_overlap_s:.3f} s without overlap",
+             f"baselines: serial and disaggregated with model.shared_prefix={str(config.model.shared_prefix).lower()} "
+             f"(the experiment's); serial_full scores and trains full sequences (the prompt recomputed for each of "
+             f"the G={config.rollout.n} responses, as verl does): rollplex/serial_full="
+             f"{preds['serial_full'].step_s / rollplex.step_s:.2f}"]
     gantt = config.timeline.gantt
     if gantt is None:
         gantt = f"outputs/timeline/{config.trainer.experiment_name}.png"
