@@ -215,14 +215,25 @@ class RooflineModel:
         adam = grads / est.BF16 / dp * 3 * 2 * est.FP32 / (self.gpu.hbm_gbs * GB * self.eff.decode_mbu)
         return net + adam
 
+    def _decode_work(self) -> tuple[float, float]:
+        """(FLOPs, HBM bytes) of one decode step of the engine's batch on one GPU."""
+        w, t = self.w, self.text
+        rows = w.rollout_groups * w.n
+        ctx = w.prompt_tokens + w.decode_steps / 2
+        flops = llm_forward_flops(t, rows, rows * ctx, rows) / w.rollout_tp
+        return flops, self.weight_bytes / w.rollout_tp + rows * ctx * est.kv_bytes_per_token(t, w.rollout_tp)
+
+    def decode_intensity(self) -> float:
+        """Arithmetic intensity of a decode step, FLOPs per HBM byte (compare :meth:`ridge_point`)."""
+        flops, nbytes = self._decode_work()
+        return flops / nbytes
+
     def decode_s(self, share: int) -> float:
         """Seconds per decode step of the engine's whole batch on ``share`` (the rest of the device
         runs prefix passes, whose weight reads take HBM bandwidth from decode)."""
         w, t = self.w, self.text
         rows = w.rollout_groups * w.n
-        ctx = w.prompt_tokens + w.decode_steps / 2
-        flops = llm_forward_flops(t, rows, rows * ctx, rows) / w.rollout_tp
-        nbytes = self.weight_bytes / w.rollout_tp + rows * ctx * est.kv_bytes_per_token(t, w.rollout_tp)
+        flops, nbytes = self._decode_work()
         bw = self._bw_frac(share)
         if share < self.units:  # prefix passes on the other SMs read the weights once per prompt
             other = self.units - share

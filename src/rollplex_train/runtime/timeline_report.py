@@ -161,9 +161,7 @@ def gpu_predictions(config: "Config", hf: Any) -> tuple[dict[str, StepPrediction
         preds["disaggregated"] = predict_serial(graph, cost, units - units // 2, prefill, schedule="disaggregated",
                                                 rollout_share=units // 2, prefix_copies=repeats)
         split = "each GPU's SMs in halves (too few GPUs for two disjoint sets)"
-    rows = work.rollout_groups * work.n
-    intensity = 2 * rows / (2 + 2 * rows * (work.prompt_tokens + work.decode_steps / 2) *
-                            est.kv_bytes_per_token(model.text, work.rollout_tp) / max(1, model.weight_bytes / work.rollout_tp))
+    rows, intensity = work.rollout_groups * work.n, model.decode_intensity()
     notes = [
         f"- layout: {lay.describe()}; per device: {work.train_groups} groups x G={work.n} on a training rank, "
         f"{work.rollout_groups} groups ({rows} rows) per rollout engine; disaggregated: {split}",
