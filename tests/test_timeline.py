@@ -236,3 +236,20 @@ def test_calibrated_prediction_uses_the_saved_cost_model_and_the_measured_phases
     state.write_text('{"step": 3, "schedule": {}}')
     with pytest.raises(ValueError, match="only schedule=rollplex runs save a cost model"):
         cpu_predictions(cfg)
+
+
+def test_cli_prints_the_32b_line_without_a_gpu(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    cli = Path(sys.executable).parent / "rollplex-plan"
+    start = time.perf_counter()
+    out = subprocess.run([str(cli), "timeline", "+experiment=qwen25vl32b_embodied", f"timeline.gantt={tmp_path / 'g.png'}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert LAST.match(out.stdout.rstrip("\n").splitlines()[-1]), out.stdout[-500:]
+    print(f"rollplex-plan timeline (32B): {time.perf_counter() - start:.1f} s")  # acceptance: < 30 s on an idle machine
+    bad = subprocess.run([str(cli), "timeline", "+experiment=bench_cpu"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and "timeline.run_dir" in bad.stderr
