@@ -213,7 +213,7 @@ def test_calibrated_prediction_uses_the_saved_cost_model_and_the_measured_phases
 
     run = fake_run(tmp_path / "run")
     cfg = _config("+experiment=bench_cpu", f"timeline.run_dir={run}")
-    preds, notes = cpu_predictions(cfg)
+    preds, notes, measured = cpu_predictions(cfg)
     serial, rollplex, disagg = preds["serial"], preds["rollplex"], preds["disaggregated"]
     prefix = 8 * 100 * 0.0025  # 8 groups of 100 prompt tokens at the 2-thread rate, per role
     assert serial.phases["gen"] == pytest.approx(128 * 0.045)
@@ -230,7 +230,8 @@ def test_calibrated_prediction_uses_the_saved_cost_model_and_the_measured_phases
     assert disagg.phases["gen"] == pytest.approx(128 * 0.06)
     assert any("steps after it measured: 18.50 s median" in n for n in notes)  # steps 4 and 5 were logged
     # a checkpoint directory works too, and a serial run (no cost model) is refused
-    preds2, _ = cpu_predictions(_config("+experiment=bench_cpu", f"timeline.run_dir={run}/checkpoints/global_step_3"))
+    assert measured["step"] == pytest.approx(18.5) and measured["old_log_prob"] == pytest.approx(1.6)
+    preds2, _, _ = cpu_predictions(_config("+experiment=bench_cpu", f"timeline.run_dir={run}/checkpoints/global_step_3"))
     assert preds2["serial"].step_s == pytest.approx(serial.step_s)
     state = run / "checkpoints" / "global_step_3" / "trainer_state.json"
     state.write_text('{"step": 3, "schedule": {}}')

@@ -45,7 +45,8 @@ class CalibratedRun:
         step: the checkpoint's step. response_tokens: response tokens per group (saved estimate).
         decode_steps: decode steps of the rollout (saved). prompt_tokens: mean prompt tokens
             (``prompt_length/mean``). bytes_per_token: prefix-state bytes per prompt token by role.
-        measured_step_s: median ``timing_s/step`` of the steps logged after the checkpoint (None: none).
+        measured: median ``timing_s/<phase>`` (``step`` included) of the steps logged after the
+            checkpoint, by phase name (empty: none logged).
         source: the ``trainer_state.json`` read.
     """
 
@@ -56,7 +57,7 @@ class CalibratedRun:
     decode_steps: int
     prompt_tokens: int
     bytes_per_token: dict[str, float]
-    measured_step_s: float | None
+    measured: dict[str, float]
     source: Path
 
 
@@ -103,7 +104,9 @@ def load_run(run_dir: str | Path, groups: int, mini_batch_groups: int) -> Calibr
     response_tokens = int(schedule["response_tokens"])
     prompt_tokens = round(median("prompt_length/mean"))
     tokens = groups * response_tokens
-    later = [r["timing_s/step"] for r in read_metrics_jsonl(metrics_path) if r["step"] > step]
+    later = [r for r in read_metrics_jsonl(metrics_path) if r["step"] > step]
+    measured = {k[len("timing_s/"):]: statistics.median(r[k] for r in later if k in r)
+                for k in (later[0] if later else {}) if k.startswith("timing_s/")}
     in_update = cost.seconds("prefix/actor", max(0, groups - mini_batch_groups) * prompt_tokens, threads)
     _complete(cost, threads, {
         "suffix/old": median("timing_s/old_log_prob") / tokens,
@@ -117,7 +120,7 @@ def load_run(run_dir: str | Path, groups: int, mini_batch_groups: int) -> Calibr
     return CalibratedRun(cost=cost, threads=threads, step=step, response_tokens=response_tokens,
                          decode_steps=int(schedule["decode_steps"]), prompt_tokens=prompt_tokens,
                          bytes_per_token={k: float(v) for k, v in schedule["bytes_per_token"].items()},
-                         measured_step_s=statistics.median(later) if later else None, source=state_path)
+                         measured=measured, source=state_path)
 
 
 def _complete(cost: CostModel, threads: int, rates: dict[str, float]) -> None:

@@ -182,8 +182,9 @@ def gpu_predictions(config: "Config", hf: Any) -> tuple[dict[str, StepPrediction
     return preds, notes
 
 
-def cpu_predictions(config: "Config") -> tuple[dict[str, StepPrediction], list[str]]:
-    """Predictions calibrated from ``timeline.run_dir`` (see ``runtime/calibrate.py``)."""
+def cpu_predictions(config: "Config") -> tuple[dict[str, StepPrediction], list[str], dict[str, float]]:
+    """Predictions calibrated from ``timeline.run_dir`` (see ``runtime/calibrate.py``), the lines
+    describing them, and the run's measured phase seconds after its checkpoint (median by phase)."""
     from rollplex_train.runtime.calibrate import load_run
 
     lay = ParallelLayout.from_config(config)
@@ -202,22 +203,25 @@ def cpu_predictions(config: "Config") -> tuple[dict[str, StepPrediction], list[s
              "disaggregated": predict_serial(graph, run.cost, t // 2, 0, schedule="disaggregated",
                                              rollout_share=(t + 1) // 2, prefix_copies=repeats),
              "rollplex": predict_rollplex(graph, run.cost, t, 0, memory_budget_bytes=_budget(config))}
-    measured = "none logged after it" if run.measured_step_s is None else f"{run.measured_step_s:.2f} s median"
+    measured = f"{run.measured['step']:.2f} s median" if "step" in run.measured else "none logged after it"
     notes = [f"- calibrated from {run.source} (step {run.step}, {t} thread(s) per device); steps after it "
              f"measured: {measured}",
              f"- per device: {groups} groups x G={config.rollout.n}, prompts of {run.prompt_tokens} tokens, "
              f"{run.response_tokens} response tokens per group, decode window {run.decode_steps} steps; "
              f"disaggregated: {(t + 1) // 2} thread(s) rollout, {t // 2} training"]
-    return preds, notes
+    return preds, notes, run.measured
 
 
-def _table(preds: dict[str, StepPrediction]) -> list[str]:
-    names = list(preds)
-    phases = [p for p in PHASE_ROWS if any(p in pr.phases for pr in preds.values())]
-    lines = [f"{'phase':<16}" + "".join(f"{n:>15}" for n in names)]
+def _table(preds: dict[str, StepPrediction], measured: dict[str, float]) -> list[str]:
+    """Phase rows, one column per schedule (and the measured run's medians, if any)."""
+    columns = {name: dict(p.phases, step=p.step_s) for name, p in preds.items()}
+    if measured:
+        columns["measured run"] = measured
+    phases = [p for p in PHASE_ROWS if any(p in c for c in columns.values())]
+    phases += [p for p in measured if p not in phases and p != "step"] + ["step"]  # e.g. reshare, prefix_exposed
+    lines = [f"{'phase':<16}" + "".join(f"{n:>15}" for n in columns)]
     for phase in phases:
-        lines.append(f"{phase:<16}" + "".join(f"{preds[n].phases.get(phase, 0.0):>15.3f}" for n in names))
-    lines.append(f"{'step':<16}" + "".join(f"{preds[n].step_s:>15.3f}" for n in names))
+        lines.append(f"{phase:<16}" + "".join(f"{c.get(phase, 0.0):>15.3f}" for c in columns.values()))
     return lines
 
 
@@ -231,12 +235,13 @@ def report(config: "Config") -> str:
     from rollplex_train.runtime.timeline import plot_gantt
 
     if config.timeline.run_dir:
-        preds, notes = cpu_predictions(config)
+        preds, notes, measured = cpu_predictions(config)
         source = f"calibrated from {config.timeline.run_dir}"
     elif config.cluster.device == "cuda":
         from rollplex_train.models.arch import load_hf_config
 
         preds, notes = gpu_predictions(config, load_hf_config(config.model))
+        measured = {}
         source = f"roofline on {config.gpu.name}"
     else:
         raise ValueError("rollplex-plan timeline: cluster.device=cpu has no roofline model; set "
@@ -244,9 +249,9 @@ def report(config: "Config") -> str:
     preds = {k: preds[k] for k in ("serial", "serial_full", "disaggregated", "rollplex")}
     serial, disagg, rollplex = preds["serial"], preds["disaggregated"], preds["rollplex"]
     plan = rollplex.plan
-    units = "thread(s)" if config.timeline.run_dir else f"/{config.timeline.share_units} of the SMs"
+    units = " thread(s)" if config.timeline.run_dir else f"/{config.timeline.share_units} of the SMs"
     lines = [f"# rollplex-plan timeline: {config.trainer.experiment_name} ({source}), seconds of one device's step",
-             "", "## Assumptions", *notes, "", "## Per phase (seconds)", "", *_table(preds), "",
+             "", "## Assumptions", *notes, "", "## Per phase (seconds)", "", *_table(preds, measured), "",
              f"rollplex window: decode on {plan.decode_share}{units}, prefix tasks on {plan.train_share}{units}; "
              f"{len(plan.window_tasks)} of {len(plan.window_tasks) + len(plan.after_tasks)} movable tasks inside; "
              f"planner predicted {plan.predicted_s:.3f} s to the end of the prefix work against "
