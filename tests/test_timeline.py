@@ -21,6 +21,7 @@ from rollplex_train.models.arch import load_hf_config
 from rollplex_train.runtime.planner import PhasePlanner
 from rollplex_train.runtime.hardware import GpuConfig, TimelineConfig
 from rollplex_train.runtime.roofline import DeviceWork, RooflineModel, llm_forward_flops
+from rollplex_train.runtime.timeline import Timeline
 from rollplex_train.runtime.timeline_report import colocated_predictions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,6 +206,10 @@ def fake_run(root: Path, step=3) -> Path:
              "timing_s/reward": 0.01, "timing_s/adv": 0.02, "timing_s/update_weights": 0.003,
              "prompt_length/mean": 100.0, "timing_s/step": 14.0 + s} for s in range(1, 6)]
     (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = Timeline(origin=0.0)
+    trace.add("gen", "rollout", 0.0, 5.9)
+    trace.add("update_actor", "train", 9.1, 14.7)
+    trace.write_chrome_trace(root / "traces" / "step_5.json")
     return root
 
 
@@ -213,7 +218,8 @@ def test_calibrated_prediction_uses_the_saved_cost_model_and_the_measured_phases
 
     run = fake_run(tmp_path / "run")
     cfg = _config("+experiment=bench_cpu", f"timeline.run_dir={run}")
-    preds, notes, measured = cpu_predictions(cfg)
+    preds, notes, run_info = cpu_predictions(cfg)
+    measured = run_info.measured
     serial, rollplex, disagg = preds["serial"], preds["rollplex"], preds["disaggregated"]
     prefix = 8 * 100 * 0.0025  # 8 groups of 100 prompt tokens at the 2-thread rate, per role
     assert serial.phases["gen"] == pytest.approx(128 * 0.045)
@@ -230,6 +236,9 @@ def test_calibrated_prediction_uses_the_saved_cost_model_and_the_measured_phases
     assert disagg.phases["gen"] == pytest.approx(128 * 0.06)
     assert any("steps after it measured: 18.50 s median" in n for n in notes)  # steps 4 and 5 were logged
     # a checkpoint directory works too, and a serial run (no cost model) is refused
+    back = Timeline.from_chrome_trace(run_info.trace)  # the run's trace of step 5, read back
+    assert [(s.name, s.row, s.start_s, s.end_s) for s in back.spans] == [("gen", "rollout", 0.0, 5.9),
+                                                                         ("update_actor", "train", 9.1, 14.7)]
     assert measured["step"] == pytest.approx(18.5) and measured["old_log_prob"] == pytest.approx(1.6)
     preds2, _, _ = cpu_predictions(_config("+experiment=bench_cpu", f"timeline.run_dir={run}/checkpoints/global_step_3"))
     assert preds2["serial"].step_s == pytest.approx(serial.step_s)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from rollplex_train.runtime.cost_model import CostModel, amdahl
 from rollplex_train.tracking.checkpoint import CheckpointManager, load_json
@@ -46,7 +47,8 @@ class CalibratedRun:
         decode_steps: decode steps of the rollout (saved). prompt_tokens: mean prompt tokens
             (``prompt_length/mean``). bytes_per_token: prefix-state bytes per prompt token by role.
         measured: median ``timing_s/<phase>`` (``step`` included) of the steps logged after the
-            checkpoint, by phase name (empty: none logged).
+            checkpoint, by phase name (empty: none logged). trace: the Chrome trace of the last such
+            step (``traces/step_<k>.json``, ``trainer.trace_steps``), if the run wrote one.
         source: the ``trainer_state.json`` read.
     """
 
@@ -59,6 +61,7 @@ class CalibratedRun:
     bytes_per_token: dict[str, float]
     measured: dict[str, float]
     source: Path
+    trace: Optional[Path] = None
 
 
 def _checkpoint(run_dir: Path) -> tuple[Path, Path]:
@@ -120,7 +123,9 @@ def load_run(run_dir: str | Path, groups: int, mini_batch_groups: int) -> Calibr
     return CalibratedRun(cost=cost, threads=threads, step=step, response_tokens=response_tokens,
                          decode_steps=int(schedule["decode_steps"]), prompt_tokens=prompt_tokens,
                          bytes_per_token={k: float(v) for k, v in schedule["bytes_per_token"].items()},
-                         measured=measured, source=state_path)
+                         measured=measured, source=state_path,
+                         trace=next((t for r in reversed(later)
+                                     if (t := metrics_path.parent / "traces" / f"step_{r['step']}.json").is_file()), None))
 
 
 def _complete(cost: CostModel, threads: int, rates: dict[str, float]) -> None:

@@ -59,6 +59,18 @@ class Timeline:
                            "ts": round(s.start_s * 1e6, 1), "dur": round((s.end_s - s.start_s) * 1e6, 1)})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
+    @classmethod
+    def from_chrome_trace(cls, path: Path) -> "Timeline":
+        """Read back what :meth:`write_chrome_trace` wrote (spans in seconds, rows by thread name).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+        """
+        data = json.loads(Path(path).read_text())
+        rows = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"}
+        return cls(origin=0.0, spans=[Span(e["name"], rows[e["tid"]], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+                                      for e in data["traceEvents"] if e["ph"] == "X"])
+
     def write_chrome_trace(self, path: Path) -> Path:
         """Write :meth:`chrome_trace` to ``path`` (parents created)."""
         path = Path(path)

@@ -182,9 +182,9 @@ def gpu_predictions(config: "Config", hf: Any) -> tuple[dict[str, StepPrediction
     return preds, notes
 
 
-def cpu_predictions(config: "Config") -> tuple[dict[str, StepPrediction], list[str], dict[str, float]]:
+def cpu_predictions(config: "Config") -> tuple[dict[str, StepPrediction], list[str], Any]:
     """Predictions calibrated from ``timeline.run_dir`` (see ``runtime/calibrate.py``), the lines
-    describing them, and the run's measured phase seconds after its checkpoint (median by phase)."""
+    describing them, and the :class:`~rollplex_train.runtime.calibrate.CalibratedRun`."""
     from rollplex_train.runtime.calibrate import load_run
 
     lay = ParallelLayout.from_config(config)
@@ -209,7 +209,9 @@ def cpu_predictions(config: "Config") -> tuple[dict[str, StepPrediction], list[s
              f"- per device: {groups} groups x G={config.rollout.n}, prompts of {run.prompt_tokens} tokens, "
              f"{run.response_tokens} response tokens per group, decode window {run.decode_steps} steps; "
              f"disaggregated: {(t + 1) // 2} thread(s) rollout, {t // 2} training"]
-    return preds, notes, run.measured
+    if run.trace is not None:
+        notes.append(f"- measured trace drawn beside the predictions: {run.trace}")
+    return preds, notes, run
 
 
 def _table(preds: dict[str, StepPrediction], measured: dict[str, float]) -> list[str]:
@@ -232,16 +234,17 @@ def report(config: "Config") -> str:
         ValueError: a CPU experiment without ``timeline.run_dir``, a missing ``gpu.<key>``, or a run
             directory that holds no calibration. FileNotFoundError: no architecture file / checkpoint.
     """
-    from rollplex_train.runtime.timeline import plot_gantt
+    from rollplex_train.runtime.timeline import Timeline, plot_gantt
 
     if config.timeline.run_dir:
-        preds, notes, measured = cpu_predictions(config)
+        preds, notes, run = cpu_predictions(config)
+        measured, trace = run.measured, run.trace
         source = f"calibrated from {config.timeline.run_dir}"
     elif config.cluster.device == "cuda":
         from rollplex_train.models.arch import load_hf_config
 
         preds, notes = gpu_predictions(config, load_hf_config(config.model))
-        measured = {}
+        measured, trace = {}, None
         source = f"roofline on {config.gpu.name}"
     else:
         raise ValueError("rollplex-plan timeline: cluster.device=cpu has no roofline model; set "
@@ -264,7 +267,10 @@ def report(config: "Config") -> str:
     if gantt is None:
         gantt = f"outputs/timeline/{config.trainer.experiment_name}.png"
     if gantt:
-        path = plot_gantt({f"{k} (predicted {p.step_s:.2f} s)": p.timeline for k, p in preds.items()}, Path(gantt),
+        panels = {f"{k} (predicted {p.step_s:.2f} s)": p.timeline for k, p in preds.items()}
+        if trace is not None:
+            panels[f"measured: {trace.parent.parent.name} {trace.stem}"] = Timeline.from_chrome_trace(trace)
+        path = plot_gantt(panels, Path(gantt),
                           title=f"{config.trainer.experiment_name}: predicted step of one device ({source})")
         lines.append(f"gantt: {path}")
     lines.append(f"timeline: serial={serial.step_s:.2f}s disaggregated={disagg.step_s:.2f}s rollplex={rollplex.step_s:.2f}s "
