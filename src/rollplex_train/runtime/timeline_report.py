@@ -170,7 +170,8 @@ def gpu_predictions(config: "Config", hf: Any) -> tuple[dict[str, StepPrediction
         f"mini-batch(es) per rank, activation recompute={work.recompute}",
         f"- gpu: {config.gpu.name}, {config.gpu.bf16_tflops:g} TFLOP/s bf16, {config.gpu.hbm_gbs:g} GB/s HBM, "
         f"{config.gpu.nvlink_gbs:g} GB/s NVLink, {config.gpu.pcie_gbs:g} GB/s PCIe; efficiencies: train MFU "
-        f"{config.timeline.train_mfu:g}, prefill MFU {config.timeline.prefill_mfu:g}, decode MBU {config.timeline.decode_mbu:g}",
+        f"{config.timeline.train_mfu:g}, prefill MFU {config.timeline.prefill_mfu:g}, decode MBU {config.timeline.decode_mbu:g} "
+        f"(sources: {config.gpu.source or 'gpu.source not given'}; docs/timeline.md)",
         f"- decode: {1e3 * cost.rate('decode', units):.1f} ms/step on the whole GPU, arithmetic intensity "
         f"{intensity:.0f} FLOP/B against a ridge point of {model.ridge_point():.0f} "
         f"({'compute' if intensity > model.ridge_point() else 'memory'}-bound); prefix "
