@@ -169,7 +169,7 @@ def predict_rollplex(graph: StepGraph, cost: CostModel, share: int, prefill_toke
         decode_end = start + switch + (graph.decode_steps - decoded) * cost.rate("decode", share)
     else:
         decode_end = t0 + cost.seconds("decode", graph.decode_steps, share)
-    tl.add("decode", "rollout", t0, decode_end)
+    tl.add("gen", "rollout", t0, decode_end)  # the decode window, named as the measured trace names it
     pred.phases["gen"] += decode_end - t0
     pred.add("prefix_after", _seconds(cost, after, share))
     pred.prefix_s, pred.hidden_s = hidden + pred.phases["prefix_after"], hidden

@@ -87,7 +87,7 @@ def plot_gantt(timelines: dict[str, Timeline], path: Path, title: str = "") -> P
     import matplotlib.pyplot as plt
 
     names = sorted({s.name for tl in timelines.values() for s in tl.spans})
-    colours = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
+    colours = {n: (plt.cm.tab10 if len(names) <= 10 else plt.cm.tab20)(i % 20) for i, n in enumerate(names)}
     horizon = max((s.end_s for tl in timelines.values() for s in tl.spans), default=1.0)
     fig, axes = plt.subplots(len(timelines), 1, figsize=(11, 1.6 * len(timelines) + 0.8), sharex=True, squeeze=False)
     for ax, (label, tl) in zip(axes[:, 0], timelines.items()):

@@ -221,7 +221,7 @@ def _table(preds: dict[str, StepPrediction], measured: dict[str, float]) -> list
     if measured:
         columns["measured run"] = measured
     phases = [p for p in PHASE_ROWS if any(p in c for c in columns.values())]
-    phases += [p for p in measured if p not in phases and p != "step"] + ["step"]  # e.g. reshare, prefix_exposed
+    phases += [p for p in ("prefix_exposed",) if p in measured] + ["step"]  # window work that outlasted decode
     lines = [f"{'phase':<16}" + "".join(f"{n:>15}" for n in columns)]
     for phase in phases:
         lines.append(f"{phase:<16}" + "".join(f"{c.get(phase, 0.0):>15.3f}" for c in columns.values()))
