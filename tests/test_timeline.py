@@ -127,6 +127,8 @@ def test_32b_timeline_line(tmp_path):
     assert (tmp_path / "g.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="timeline.run_dir"):
         report(_config("+experiment=bench_cpu"))
+    with pytest.raises(ValueError, match="actor.pipeline_parallel_size=2"):
+        report(_config("+experiment=qwen25vl32b_embodied", "actor.pipeline_parallel_size=2"))
 
 
 # ---- properties of the model -------------------------------------------------------------------

@@ -136,6 +136,9 @@ def gpu_predictions(config: "Config", hf: Any) -> tuple[dict[str, StepPrediction
     from rollplex_train.memory.groups import step_groups
 
     lay, units, frames = ParallelLayout.from_config(config), config.timeline.share_units, frame_patches(config, hf)
+    if lay.train_pp > 1:
+        raise ValueError(f"actor.pipeline_parallel_size={lay.train_pp}: the roofline model has no pipeline stages "
+                         "(stage split, bubbles) yet; predict with 1")
     work = device_work(config, hf, lay.train_dp, lay.rollout_dp)
     model = RooflineModel(hf, work, config.gpu, config.timeline, frames)
     sizes = {g.name: g.item_bytes for g in step_groups(config, hf, "rollplex")}
@@ -232,8 +235,8 @@ def report(config: "Config") -> str:
     """The timeline report of ``config`` (see the module docstring).
 
     Raises:
-        ValueError: a CPU experiment without ``timeline.run_dir``, a missing ``gpu.<key>``, or a run
-            directory that holds no calibration. FileNotFoundError: no architecture file / checkpoint.
+        ValueError: a CPU experiment without ``timeline.run_dir``, a missing ``gpu.<key>``, pipeline
+            parallelism (not modelled), or a run directory that holds no calibration. FileNotFoundError: no architecture file / checkpoint.
     """
     from rollplex_train.runtime.timeline import Timeline, plot_gantt
 
