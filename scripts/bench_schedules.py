@@ -13,7 +13,6 @@ step times drift by up to 20% between runs); each schedule's median run is repor
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from rollplex_train.models.tiny import make_tiny_checkpoint
-from rollplex_train.runtime.timeline import Span, Timeline, plot_gantt
+from rollplex_train.runtime.timeline import Timeline, plot_gantt
 from rollplex_train.tracking.loggers import read_metrics_jsonl
 
 SCHEDULES = {  # label -> overrides
@@ -43,15 +42,6 @@ def bench_manifest(tasks: Path) -> Path:
 
     pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(tasks / "color_train.parquet")), out)
     return out
-
-
-def timeline_from_trace(path: Path) -> Timeline:
-    data = json.loads(path.read_text())
-    rows = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"}
-    tl = Timeline()
-    tl.spans = [Span(e["name"], rows[e["tid"]], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-                for e in data["traceEvents"] if e["ph"] == "X"]
-    return tl
 
 
 def main() -> None:
@@ -86,7 +76,7 @@ def main() -> None:
             runs[label].append({k: sum(r[k] for r in rows) / len(rows) for k in rows[-1] if all(k in r for r in rows)})
             print(f"{label:<15} round {rep + 1}: step {runs[label][-1]['timing_s/step']:6.2f} s", flush=True)
             if rep == args.repeat - 1:
-                traces[label] = timeline_from_trace(out / "traces" / f"step_{args.steps}.json")
+                traces[label] = Timeline.from_chrome_trace(out / "traces" / f"step_{args.steps}.json")
     results = {}
     for label, measured in runs.items():  # the run with the median step time stands for the schedule
         last = sorted(measured, key=lambda m: m["timing_s/step"])[len(measured) // 2]

@@ -66,6 +66,7 @@ def train_main() -> None:
 PLANS = {
     "memory": "rollplex_train.memory.report",
     "sharing": "rollplex_train.sharing.report",
+    "timeline": "rollplex_train.runtime.timeline_report",
 }
 """``rollplex-plan`` subcommand -> module with ``report(config: Config) -> str``."""
 

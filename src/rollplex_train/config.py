@@ -17,6 +17,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from rollplex_train.runtime.hardware import GpuConfig, TimelineConfig
+
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 SCHEDULES = ("serial", "disaggregated", "rollplex")
@@ -426,6 +428,10 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    """GPU datasheet numbers (``conf/gpu/``), read only by ``rollplex-plan timeline``."""
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
+    """Roofline efficiencies and options of ``rollplex-plan timeline``."""
 
     def __post_init__(self) -> None:
         from rollplex_train.parallel import ParallelLayout
