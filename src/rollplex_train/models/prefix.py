@@ -88,18 +88,21 @@ class _SavedBytes:
         return t
 
 
-def _embed_with_vision(model, input_ids: torch.Tensor, vision: VisionInputs, vision_grad: bool) -> torch.Tensor:
+def embed_with_vision(model, input_ids: torch.Tensor, vision: VisionInputs, vision_grad: bool,
+                      embed_tokens=None) -> torch.Tensor:
     """Token embeddings with the vision features scattered into the placeholder slots.
 
     Args:
         input_ids: (P, Lp) int64 padded prompts. vision: their vision inputs, concatenated.
         vision_grad: build the vision tower's graph (False: frozen tower, features without grad).
+        embed_tokens: the token embedding module (None: the HF model's input embeddings; the
+            Megatron backend passes its vocab-parallel ``word_embeddings``).
 
     Returns:
         (P, Lp, H) input embeddings.
     """
     inner = model.model
-    embeds = inner.get_input_embeddings()(input_ids)
+    embeds = (embed_tokens if embed_tokens is not None else inner.get_input_embeddings())(input_ids)
     cfg = model.config
     for pixels, grid, token_id, encode in (
         (vision.pixel_values, vision.image_grid_thw, cfg.image_token_id, inner.get_image_features),
@@ -145,7 +148,7 @@ def encode_prefix(
     counter = _SavedBytes(model)
     with torch.set_grad_enabled(with_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         position_ids, deltas = rope_positions(model, ids, mask, vision)
-        embeds = _embed_with_vision(model, ids, vision, vision_grad=with_grad and not freeze_vision)
+        embeds = embed_with_vision(model, ids, vision, vision_grad=with_grad and not freeze_vision)
         cache = DynamicCache(config=model.config)
         out = model.model.language_model(
             inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
