@@ -58,7 +58,10 @@ def transformer_config(hf_config, *, tp: int, pp: int, dtype: torch.dtype, on_cp
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         attention_softmax_in_fp32=True, calculate_per_token_loss=True,
-        use_cpu_initialization=on_cpu, perform_initialization=False,
+        # perform_initialization stays on: mcore sets the ``tensor_model_parallel`` attributes of the
+        # split weights only while initialising them (tensor_parallel/layers.py); the gradient norm
+        # reads them. The random values are overwritten by the converter.
+        use_cpu_initialization=on_cpu,
         # CPU: the fused kernels are CUDA-only (training/megatron/cpu_patches.py, item 3)
         bias_activation_fusion=not on_cpu, bias_dropout_fusion=not on_cpu, masked_softmax_fusion=not on_cpu,
         apply_rope_fusion=False, persist_layer_norm=not on_cpu, gradient_accumulation_fusion=False,
