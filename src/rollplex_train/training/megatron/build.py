@@ -41,7 +41,8 @@ def init_parallel(layout, rank: int, seed: int) -> None:
         if layout.world_size > 1:
             raise RuntimeError(f"rank {rank}: a {layout.world_size}-rank layout needs torch.distributed "
                                "initialised by the worker before the engine is built")
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        backend = "nccl" if layout.device == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != layout.world_size or dist.get_rank() != rank:
         raise RuntimeError(f"process group rank {dist.get_rank()}/{dist.get_world_size()} != layout rank "
                            f"{rank}/{layout.world_size}")
@@ -84,7 +85,8 @@ def build_model(path: str, dtype: str, attn_implementation: str, *, tp: int, pp:
     layout = megatron_layout(shapes, Dims.from_hf_config(hf.config), tp, vocab_divisible_by)
     on_cpu = device == "cpu"
     use_te = not on_cpu and has_transformer_engine()
-    config = transformer_config(hf.config, tp=tp, pp=pp, dtype=next(hf.parameters()).dtype, on_cpu=on_cpu)
+    config = transformer_config(hf.config, tp=tp, pp=pp, dtype=next(hf.parameters()).dtype, on_cpu=on_cpu,
+                                fused=use_te)
     vocab = hf.config.get_text_config().vocab_size
     padded = -(-vocab // (vocab_divisible_by * tp)) * vocab_divisible_by * tp
     gpt = build_gpt_model(hf.config, config, padded, use_te)

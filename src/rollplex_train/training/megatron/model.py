@@ -35,7 +35,7 @@ def has_transformer_engine() -> bool:
     return True
 
 
-def transformer_config(hf_config, *, tp: int, pp: int, dtype: torch.dtype, on_cpu: bool):
+def transformer_config(hf_config, *, tp: int, pp: int, dtype: torch.dtype, on_cpu: bool, fused: bool = False):
     """The mcore ``TransformerConfig`` of the checkpoint's language model.
 
     Field meanings: megatron-core 0.16.1 ``transformer/transformer_config.py``; the Qwen2 mapping
@@ -43,6 +43,11 @@ def transformer_config(hf_config, *, tp: int, pp: int, dtype: torch.dtype, on_cp
     verl ``verl/models/mcore/config_converter.py::hf_to_mcore_config_qwen2_5_vl``.
     ``calculate_per_token_loss=True`` makes Megatron DDP *sum* gradients over DP ranks (the loss of
     every rank is already normalised by the global token/sequence counts).
+
+    Args:
+        on_cpu: build the weights on the CPU (``use_cpu_initialization``).
+        fused: turn on megatron's fused kernels (bias+activation, bias+dropout, masked softmax,
+            persistent layer norm); they need CUDA and apex/Transformer Engine, so only with TE.
     """
     from megatron.core.transformer import TransformerConfig
 
@@ -62,9 +67,9 @@ def transformer_config(hf_config, *, tp: int, pp: int, dtype: torch.dtype, on_cp
         # split weights only while initialising them (tensor_parallel/layers.py); the gradient norm
         # reads them. The random values are overwritten by the converter.
         use_cpu_initialization=on_cpu,
-        # CPU: the fused kernels are CUDA-only (training/megatron/cpu_patches.py, item 3)
-        bias_activation_fusion=not on_cpu, bias_dropout_fusion=not on_cpu, masked_softmax_fusion=not on_cpu,
-        apply_rope_fusion=False, persist_layer_norm=not on_cpu, gradient_accumulation_fusion=False,
+        # the fused kernels are CUDA + apex/TE only (training/megatron/cpu_patches.py, item 3)
+        bias_activation_fusion=fused, bias_dropout_fusion=fused, masked_softmax_fusion=fused,
+        apply_rope_fusion=False, persist_layer_norm=fused, gradient_accumulation_fusion=False,
     )
 
 
