@@ -77,6 +77,7 @@ def _rank_body(rank: int, world: int, ckpt: str, batch: TrainBatch, out_dir: str
     out["sglang"] = {n: t.clone() for n, t in sglang.items()}
     out["sglang_views"] = sorted(n for n, t in sglang.items() if t.untyped_storage().data_ptr() in params)
     out["hf_rollout"] = {n: t.clone() for n, t in engine.rollout_weights().items()}
+    out["digest"] = engine.weights_digest()
     return out
 
 
@@ -227,6 +228,9 @@ def test_rollout_tensors_follow_the_share_plan(ranks, tiny_ckpt_qwen25):
     assert set(hf_rollout) == set(state)
     for name, t in state.items():
         assert torch.equal(hf_rollout[name], t), name
+    from rollplex_train.sharing.embedded import tensors_digest
+
+    assert ranks["digest"] == tensors_digest(state)  # comparable with the rollout engine's digest
     from rollplex_train.sharing.plan import plan_sharing
 
     hf = load_model(tiny_ckpt_qwen25)
@@ -243,3 +247,12 @@ def test_rollout_tensors_follow_the_share_plan(ranks, tiny_ckpt_qwen25):
     assert set(ranks["sglang_views"]) == planned  # same storage as the parameters exactly where planned
     if ranks["tp"] == 2:  # at t = r: [gate_i; up_i] is linear_fc1 of rank i
         assert "model.language_model.layers.0.mlp.gate_up_proj.weight" in planned
+
+
+@pytest.mark.slow
+def test_qwen2_vl_matches_hf_at_tp2(tiny_ckpt_qwen2, mixed_prompts, tmp_path):
+    from rollplex_train.training.megatron.check import check_rank, run_ranks
+
+    c = run_ranks(check_rank, 2, str(tiny_ckpt_qwen2), mixed_prompts, str(tmp_path))
+    assert c["max_abs_logit_diff"] <= 1e-5 and c["max_abs_logprob_diff_split"] <= 1e-5
+    assert c["max_rel_grad_diff"] <= 1e-4 and c["hf_roundtrip"] == "exact"

@@ -18,8 +18,6 @@ Legend: t TP degree, i TP rank; "layout name" = a ``TensorSpec.name`` of the meg
 from __future__ import annotations
 
 import re
-from typing import Iterable
-
 import torch
 
 from rollplex_train.models.layouts import Dims, Layout, TensorSpec, build_layout, reference_shard
@@ -149,7 +147,3 @@ def layout_tensors(gpt_state: dict[str, torch.Tensor], vision: dict[str, torch.T
         out[name] = src.view(spec.shape)
     return out
 
-
-def lm_names(names: Iterable[str]) -> list[str]:
-    """The language-model names among ``names``."""
-    return [n for n in names if is_language_model(n)]

@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.models.loading import load_model, load_tokenizer
-from rollplex_train.models.megatron_convert import is_language_model, layout_tensors, megatron_to_hf
+from rollplex_train.models.megatron_convert import gpt_key, is_language_model, layout_tensors, megatron_to_hf
 from rollplex_train.parallel import ParallelLayout
 from rollplex_train.training.base import register_train_engine
 from rollplex_train.training.megatron import scoring
@@ -154,8 +154,6 @@ class MegatronTrainEngine(TorchTrainEngine):
         """Full HF tensors of the actor (language model joined over TP; collective), new storage."""
         local = self._local_tensors()
         ranks = [{} for _ in range(self.layout.train_tp)]
-        from rollplex_train.models.megatron_convert import gpt_key
-
         for name, tensor in local.items():
             if is_language_model(self.conversion.ranks[self.tp_rank][name].blocks[0].source):
                 for i, part in enumerate(self._gather_tp(tensor)):
@@ -208,6 +206,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         raise NotImplementedError("actor.backend=megatron has no offload yet (memory.offload_optimizer=false)")
 
     def prefetch_states(self, parts: tuple[str, ...]) -> int:
+        """Nothing is ever offloaded (``offload_states`` refuses): 0 bytes."""
         return 0
 
     # ---- checkpoints -----------------------------------------------------------------------------
@@ -262,4 +261,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         export_hf(hf, self.tokenizer, Path(directory), extra_files_from=Path(self.model_cfg.path))
 
     def weights_digest(self) -> dict[str, str]:
-        raise NotImplementedError("actor.backend=megatron: compare hf_state() instead")
+        """``{HF name: sha256}`` of the joined actor (collective), comparable with the rollout
+        engine's ``weights_digest``."""
+        from rollplex_train.sharing.embedded import tensors_digest
+
+        return tensors_digest(self.hf_state())
