@@ -141,7 +141,19 @@ class PrefixAttention(torch.nn.Module):
             pk, pv = ctx.prefix[self.layer]
             key, value = torch.cat([pk, key], dim=0), torch.cat([pv, value], dim=0)
             attention_mask = ctx.mask
+        if attention_mask is not None and "attn_mask_type" in kwargs and not self._reads_mask():
+            # Transformer Engine's attention ignores the mask under the spec's ``causal`` type; ours
+            # holds padding (and the prefix) too. Untested here: no TE on CPU.
+            from megatron.core.transformer.enums import AttnMaskType
+
+            kwargs["attn_mask_type"] = AttnMaskType.arbitrary
         return self.inner(query, key, value, attention_mask, *args, **kwargs)
+
+    def _reads_mask(self) -> bool:
+        """mcore's local ``DotProductAttention`` always applies a given mask (``attn_mask_type`` unused)."""
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        return isinstance(self.inner, DotProductAttention)
 
 
 class MegatronVLM(torch.nn.Module):
