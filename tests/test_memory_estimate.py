@@ -8,6 +8,7 @@ from rollplex_train.cli import conf_dir
 from rollplex_train.config import ModelConfig, register_configs, to_config
 from rollplex_train.memory import estimate as est
 from rollplex_train.models.arch import load_hf_config, meta_model
+from rollplex_train.parallel import ParallelLayout
 
 HF_7B = "conf/hf/qwen2_5_vl_7b_instruct.json"
 HF_32B = "conf/hf/qwen2_5_vl_32b_instruct.json"
@@ -101,20 +102,15 @@ def test_logits_bytes():
 def test_batch_and_layout_of_the_32b_experiment():
     cfg = _compose("+experiment=qwen25vl32b_embodied")
     hf = _hf(HF_32B)
-    batch, lay = est.batch_shape(cfg, hf), est.layout_of(cfg)
+    batch, lay = est.batch_shape(cfg, hf), ParallelLayout.from_config(cfg)
     assert batch.vision_patches == 16 * 1024 and batch.vision_tokens == 4096  # 32 frames of 448x448
     assert (batch.prompts, batch.n, batch.prompt_tokens, batch.response_tokens) == (128, 8, 4608, 1024)
     assert (batch.mini_batch_prompts, batch.micro_groups) == (64, 1)
-    assert (lay.actor_dp, lay.rollout_engines) == (8, 8)
+    assert (lay.world_size, lay.train_tp, lay.train_dp, lay.rollout_tp, lay.rollout_dp) == (32, 4, 8, 4, 8)
+    assert not hasattr(est, "Layout")  # the memory model reads the one ParallelLayout
 
 
-def test_layout_and_batch_errors_name_the_key():
-    with pytest.raises(ValueError, match="actor.tensor_parallel_size"):
-        est.Layout(num_gpus=6, actor_tp=4, actor_pp=1, rollout_tp=2)
-    with pytest.raises(ValueError, match="rollout.tensor_parallel_size"):
-        est.Layout(num_gpus=8, actor_tp=1, actor_pp=1, rollout_tp=3)
-    with pytest.raises(ValueError, match="cluster.num_gpus"):
-        est.Layout(num_gpus=0, actor_tp=1, actor_pp=1, rollout_tp=1)
+def test_batch_errors_name_the_key():
     cfg = _compose("+experiment=qwen25vl32b_embodied", "data.max_prompt_length=2048")
     with pytest.raises(ValueError, match="data.max_prompt_length"):
         est.batch_shape(cfg, _hf(HF_32B))

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollplex_train.memory.residency import GIB, Phase, phases_from_groups, plan_residency
+from rollplex_train.memory.residency import GIB, Phase, minimum_budget, phases_from_groups, plan_residency
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,15 @@ def test_infeasible_phase_names_the_phase_and_the_shortfall():
     big_grads = G("grads", 30 * GIB, kind="live", producer="update", consumers=("update",))
     with pytest.raises(ValueError, match=r"phase 'update' does not fit: .* short by 1\.00 GiB"):
         plan_residency([*groups[:4], big_grads], phases, 59 * GIB)  # 10 + 20 + 30 = 60
+
+
+def test_minimum_budget_is_the_least_budget_that_plans():
+    groups, phases, _ = _window_step(0)
+    assert minimum_budget(groups, phases) == ("decode", 42 * GIB)  # 10 + 30 + one 2 GiB prefix state
+    assert plan_residency(groups, phases, 42 * GIB).peak_bytes == 42 * GIB
+    with pytest.raises(ValueError, match="short by 0.00 GiB"):
+        plan_residency(groups, phases, 42 * GIB - 1)
+    assert minimum_budget(groups, phases, allow_offload=False) == ("decode", 76 * GIB)  # 10 + 20 + 30 + 16
 
 
 def test_without_offload_alive_groups_stay_whole():

@@ -47,3 +47,12 @@ def test_config_builds_layout_and_refuses_bad_degrees():
         Config(cluster=ClusterConfig(devices_per_node=3), actor=ActorConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match="cluster.executor=inprocess"):
         ClusterConfig(executor="inprocess", devices_per_node=2)
+
+
+def test_degrees_a_backend_cannot_run_are_refused():
+    from rollplex_train.config import ActorConfig, ClusterConfig, Config, RolloutConfig
+
+    with pytest.raises(ValueError, match=r"actor.tensor_parallel_size=2.*data parallel only"):
+        Config(cluster=ClusterConfig(devices_per_node=2), actor=ActorConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=2: the builtin"):
+        Config(cluster=ClusterConfig(devices_per_node=2), rollout=RolloutConfig(tensor_parallel_size=2))

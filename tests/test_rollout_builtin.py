@@ -211,9 +211,10 @@ def test_vision_placeholders_are_never_sampled(fresh_engine, mixed_prompts, bias
     model = fresh_engine.model
     suppressed = _suppressed(model)
     biased_head(model, {tok: 100.0 for tok in suppressed})
-    for params in (SamplingParams(n=2, temperature=0.0, max_new_tokens=4),
-                   SamplingParams(n=4, temperature=1.0, max_new_tokens=4, seed=2),
-                   SamplingParams(n=2, temperature=1.0, top_p=0.9, top_k=5, max_new_tokens=4, seed=2)):
+    for params in (SamplingParams(n=2, temperature=0.0, max_new_tokens=4, ignore_eos=True),
+                   SamplingParams(n=4, temperature=1.0, max_new_tokens=4, seed=2, ignore_eos=True),
+                   SamplingParams(n=2, temperature=1.0, top_p=0.9, top_k=5, max_new_tokens=4, seed=2,
+                                  ignore_eos=True)):
         responses = fresh_engine.generate(mixed_prompts, params)
         produced = {t for r in responses for t in r.token_ids.tolist()}
         assert produced and not produced & suppressed

@@ -111,10 +111,11 @@ def embedded_runs(embedded_assets, tmp_path_factory):
             try:
                 trainer.fit()
                 w = trainer.schedule.workers
-                digests = ray.get([w.train.weights_digest.remote(), w.rollout.weights_digest.remote()])
+                digests = [w.train.weights_digest(), w.rollout.weights_digest()]
                 prompts, _ = trainer.loader.next_batch()
                 try:
-                    ray.get(w.rollout.generate.remote(prompts[:1], PARAMS, trainer.schedule.weights_version - 1))
+                    w.rollout.generate(w.train.place(prompts[:1], [0]), PARAMS,
+                                       trainer.schedule.weights_version - 1).result()
                     stale = None
                 except StaleWeightsError as err:  # Ray re-raises the worker's exception type
                     stale = str(err)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections import Counter
 import subprocess
 import sys
 
@@ -14,7 +15,8 @@ from rollplex_train.cli import conf_dir
 from rollplex_train.config import register_configs, to_config
 from rollplex_train.models.arch import load_hf_config, parameter_shapes
 from rollplex_train.models.layouts import Dims
-from rollplex_train.sharing.report import DEGREES, _pcts, layouts_of, report, share_totals
+from rollplex_train.sharing.report import (DEGREES, _pcts, device_totals, layouts_of, rebuilt_bytes_per_device, report,
+                                           share_totals)
 
 LAST = re.compile(r"^sharing: t=(\d+) r=(\d+) view=([\d.]+)% rebuild=([\d.]+)% gather=([\d.]+)%$")
 
@@ -49,6 +51,25 @@ def test_configured_options_reach_the_last_line():
     text = report(_config("+experiment=qwen25vl32b_embodied", "sharing.split_qkv=true",
                           "sharing.split_gate_up=true", "rollout.tensor_parallel_size=8"))
     assert text.splitlines()[-1] == "sharing: t=4 r=8 view=100.0% rebuild=0.0% gather=0.0%"
+    # the degrees come from the run's ParallelLayout
+    assert "layout: 32 cuda devices (4 node(s) x 8); train TP=4 PP=1 DP=8; rollout 4 engine(s) x TP=8" in text
+    assert "of which rebuilt into persistent buffers (rebuild + gather): 0.00 GiB" in text
+
+
+def test_rebuilt_bytes_per_device_line():
+    config, shapes, dims = _model_32b()
+    text = report(config)
+    per_device = device_totals(shapes, dims, t=4, r=4, train="megatron", rollout="sglang", split_qkv=False,
+                               split_gate_up=False, itemsize=2)
+    assert len(per_device) == 4  # lcm(4, 4) devices, one per TP rank
+    rollout = sum(per_device[0][a] for a in ("view", "strided_view", "local_rebuild", "gather"))
+    rebuilt = rebuilt_bytes_per_device(per_device)
+    assert rebuilt == max(c["local_rebuild"] for c in per_device) and rebuilt / rollout == pytest.approx(0.075, abs=5e-4)
+    assert sum(per_device, Counter()) == share_totals(shapes, dims, t=4, r=4, train="megatron", rollout="sglang",
+                                                      split_qkv=False, split_gate_up=False, itemsize=2)
+    assert (f"rollout weights per device: {rollout / 2**30:.2f} GiB, of which rebuilt into persistent buffers "
+            f"(rebuild + gather): {rebuilt / 2**30:.2f} GiB") in text
+    assert f"{rebuilt / 2**30:.2f}" == "1.17"
 
 
 def test_32b_acceptance_shares():

@@ -141,7 +141,7 @@ class RolloutConfig:
     """Response sampling by the rollout engine."""
 
     name: str = "builtin"
-    """Registered engine: ``builtin`` (transformers, CPU/GPU); an SGLang adapter is planned."""
+    """Registered engine: ``builtin`` (transformers, CPU/GPU) or ``sglang`` (GPU, the ``sglang`` extra)."""
     n: int = 8
     """Responses per prompt (the GRPO group size G)."""
     temperature: float = 1.0
@@ -307,8 +307,11 @@ class MemoryConfig:
     pinned_host_offload: bool = True
     """Let the residency plan move groups to pinned host memory between their uses (False: a group
     stays on the device from its first to its last use)."""
-    reserved_gib: float = 0.0
-    """Device memory per GPU kept out of the plan (CUDA context, communication buffers), in GiB."""
+    reserved_gib: float = 3.5
+    """Device memory per GPU the plan holds for what torch's allocator does not see, in GiB: two CUDA
+    contexts (train worker and rollout engine, ~0.75 GiB each: 781 MB measured in pytorch/pytorch#34323)
+    and three NCCL communicators (train TP, train DP, rollout TP; 544-688 MB each measured on A100 in
+    NVIDIA/nccl#964). A floor: more NVLink channels use more (NVIDIA/nccl#986); measure on the target."""
     fused_kernels: bool = True
     """Activations as fused kernels keep them (Megatron/TransformerEngine RMSNorm, RoPE, attention);
     False: as eager transformers modules do (the torch engine, HF-model FSDP), which keep more."""
@@ -416,6 +419,14 @@ class Config:
         from rollplex_train.parallel import ParallelLayout
 
         ParallelLayout.from_config(self)  # degrees that do not fit the devices fail here, naming the keys
+        a, r = self.actor, self.rollout
+        if a.backend == "torch" and (a.tensor_parallel_size > 1 or a.pipeline_parallel_size > 1):
+            raise ValueError(f"actor.tensor_parallel_size={a.tensor_parallel_size}, actor.pipeline_parallel_size="
+                             f"{a.pipeline_parallel_size}: actor.backend=torch is data parallel only "
+                             "(TP/PP need actor.backend=megatron)")
+        if r.name == "builtin" and r.tensor_parallel_size > 1:
+            raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the builtin rollout engine "
+                             "runs on one device (TP needs rollout.name=sglang)")
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
         if self.actor.backend == "megatron" and (self.sharing.enabled or self.memory.offload_optimizer):

@@ -53,7 +53,9 @@ class Trainer:
         self.cfg, self.output_dir = cfg, Path(output_dir)
         # Names chosen by config fail here, before Ray and the workers start.
         get_adv_estimator(cfg.algorithm.adv_estimator)
-        ROLLOUT_ENGINES.get(cfg.rollout.name)
+        check_engine = getattr(ROLLOUT_ENGINES.get(cfg.rollout.name), "check_available", None)
+        if check_engine is not None:  # an engine from an optional extra (SGLang): installed, usable here
+            check_engine(cfg)
         TRAIN_ENGINES.get(cfg.actor.backend)
         if cfg.cluster.device == "cuda" and cfg.cluster.address is None and torch.cuda.device_count() == 0:
             raise ValueError("cluster.device=cuda: no GPU is visible on this machine "
@@ -85,12 +87,11 @@ class Trainer:
     # ---- run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
         """Train for ``trainer.total_steps`` steps (resuming if asked); returns the last metrics."""
-        from rollplex_train.cluster.ray_cluster import create_worker_group, start_ray
+        from rollplex_train.cluster.launch import create_workers
         from rollplex_train.runtime import make_schedule
 
         cfg = self.cfg
-        start_ray(cfg, self.output_dir)
-        workers = create_worker_group(cfg)
+        workers = create_workers(cfg, self.output_dir)
         self.schedule = make_schedule(cfg, workers, self.reward, self.tokenizer.pad_token_id)
         self._maybe_resume()
         tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
@@ -126,11 +127,10 @@ class Trainer:
                 last = metrics
             bar.close()
             if cfg.trainer.export_hf:
-                import ray
-
-                ray.get(workers.train.export_hf.remote(str(self.output_dir / "hf_actor")))
+                workers.train.export_hf(str(self.output_dir / "hf_actor"))
         finally:
             tracker.close()
+            workers.shutdown()
         return last
 
     def validate(self) -> dict[str, float]:
@@ -156,10 +156,8 @@ class Trainer:
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
         """Atomically write the actor/optimizer (by the train worker) and the driver's state."""
-        import ray
-
         def write(directory: Path) -> None:
-            ray.get(self.schedule.workers.train.save_checkpoint.remote(str(directory)))
+            self.schedule.workers.train.save_checkpoint(str(directory))
             save_json(self._driver_state(), directory / "trainer_state.json")
 
         path = self.ckpt.save(self.step, write)
@@ -178,13 +176,11 @@ class Trainer:
         }
 
     def _maybe_resume(self) -> Optional[Path]:
-        import ray
-
         path = self.resume_from
         if path is None:
             return None
         state = load_json(Path(path) / "trainer_state.json")
-        version = ray.get(self.schedule.workers.train.load_checkpoint.remote(str(path)))
+        version = self.schedule.workers.train.load_checkpoint(str(path))
         self.loader.load_state_dict(state["loader"])
         self.schedule.load_state_dict(state.get("schedule", {}))
         self.step = int(state["step"])

@@ -1,4 +1,4 @@
-"""Start or attach to a Ray cluster and place the colocated worker group on it."""
+"""Start or attach to a Ray cluster (the run's temp dir, logs kept in the output dir)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from rollplex_train.config import Config
@@ -50,14 +49,30 @@ def _keep_logs(short: Path, target: Path) -> None:
 
 
 def start_ray(cfg: Config, output_dir: Path) -> None:
-    """``ray.init`` a local cluster (temp dir under the run's output dir) or attach to ``cluster.address``."""
+    """``ray.init`` a local cluster (temp dir under the run's output dir) or attach to ``cluster.address``.
+
+    Attaching handles Ray's token authentication (``ray_auth.enable_auth_for_address``).
+
+    Raises:
+        RuntimeError: ``cluster.address`` cannot be reached or refuses this driver's credentials
+            (one line naming the key and the token sources).
+    """
     import ray
 
     if ray.is_initialized():
         return
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}}
     if cfg.cluster.address:
-        ray.init(address=cfg.cluster.address, runtime_env=env, log_to_driver=True)
+        from rollplex_train.cluster.ray_auth import TOKEN_ENV, TOKEN_PATH_ENV, enable_auth_for_address
+
+        mode = enable_auth_for_address(cfg.cluster.address)
+        try:
+            ray.init(address=cfg.cluster.address, runtime_env=env, log_to_driver=True)
+        except (ConnectionError, ray.exceptions.AuthenticationError) as err:
+            raise RuntimeError(
+                f"cluster.address={cfg.cluster.address}: cannot attach (Ray auth mode {mode}): {err.__class__.__name__}. "
+                f"A cluster started in token mode needs its token here: ${TOKEN_ENV}, ${TOKEN_PATH_ENV} or "
+                "~/.ray/auth_token (launch/slurm_ray.sbatch writes one per job)") from err
         return
     ray.init(
         num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
@@ -68,48 +83,3 @@ def start_ray(cfg: Config, output_dir: Path) -> None:
         log_to_driver=True,
         configure_logging=False,
     )
-
-
-@dataclass
-class WorkerGroup:
-    """Handles to the colocated workers of one device."""
-
-    rollout: "object"
-    train: "object"
-    threads: int
-
-    def halves(self) -> tuple[int, int]:
-        """(rollout, train) threads when the two share the cores side by side."""
-        return max(1, (self.threads + 1) // 2), max(1, self.threads // 2)
-
-    def share_threads(self, rollout: int, train: int) -> None:
-        """Give each worker its thread count for the coming phase (one Ray round trip each)."""
-        import ray
-
-        ray.get([self.rollout.set_threads.remote(rollout), self.train.set_threads.remote(train)])
-
-
-def create_worker_group(cfg: Config) -> WorkerGroup:
-    """Spawn one RolloutWorker and one TrainWorker and wait until both have loaded their models.
-
-    The actors ask Ray for no CPU slot: they are colocated by design and share the cores through
-    their torch thread counts (the schedule decides who computes when). With ``sharing.enabled``
-    both get one fresh random multiprocessing authkey in their constructor: the shared-memory
-    handles of the weights are fetched from the train worker over a connection that checks it.
-    """
-    import ray
-
-    from rollplex_train.cluster.workers import RolloutWorker, TrainWorker
-
-    threads = cfg.cluster.resolved_threads_per_device()
-    opts = dict(num_cpus=0, num_gpus=0.5 if cfg.cluster.device == "cuda" else 0)
-    authkey = os.urandom(32) if cfg.sharing.enabled else None
-    # max_concurrency=2: a share change (set_threads) reaches the rollout worker while it decodes
-    rollout = ray.remote(RolloutWorker).options(max_concurrency=2, **opts).remote(
-        cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size, authkey
-    )
-    train = ray.remote(TrainWorker).options(**opts).remote(
-        cfg.actor.backend, cfg.model, cfg.actor, cfg.algorithm, cfg.trainer.seed, threads, authkey
-    )
-    ray.get([rollout.weights_version.remote(), train.weights_version.remote()])
-    return WorkerGroup(rollout=rollout, train=train, threads=threads)

@@ -1,8 +1,10 @@
-"""Worker actor shells: one RolloutWorker and one TrainWorker per device, colocated.
+"""Worker shells: one TrainWorker per device and one RolloutWorker per rollout engine, colocated.
 
-They are thin: each builds its engine through the registry, pins its torch thread count, and
-forwards calls. No algorithm code lives here. On CPU colocated workers share the machine's cores
-(``cluster.threads_per_worker``); on GPU they share the device (streams / MPS, later issues).
+They are thin: each builds its engine through the registry, pins its torch thread count, joins the
+training ranks' torch.distributed group, resolves object-store references, and forwards calls. No
+algorithm code lives here. The same classes run as Ray actors (``RayExecutor``) or as objects in
+the driver (``InProcessExecutor``). On CPU colocated workers share the device's cores
+(``cluster.threads_per_device``); GPU device shares are not built yet.
 """
 
 from __future__ import annotations
@@ -18,6 +20,38 @@ from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import PromptSample, Response, TrainBatch
 from rollplex_train.rollout.base import SamplingParams, create_rollout_engine
 from rollplex_train.training.base import create_train_engine
+
+
+def resolve(value, indices: Optional[list[int]] = None):
+    """A value sent by reference (``RayExecutor.put``) fetched from Ray's object store (anything
+    else as it is), then ``[value[i] for i in indices]`` when indices are given."""
+    if type(value).__name__ == "ObjectRef":
+        import ray
+
+        value = ray.get(value)
+    return value if indices is None else [value[i] for i in indices]
+
+
+def resolve_batch(batch: TrainBatch) -> TrainBatch:
+    """The batch with its prompts fetched if they travel by reference."""
+    batch.prompts = resolve(batch.prompts)
+    return batch
+
+
+def init_distributed(rank: int, world_size: int, address: Optional[tuple[str, int]], device: str) -> None:
+    """Join the training ranks' default process group (gloo on CPU, NCCL on GPU) at the driver's
+    rendezvous ``address``; nothing for a single rank."""
+    if world_size == 1 or address is None:
+        return
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    host, port = address
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{host}:{port}",
+                            rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
 
 
 def _setup_process(threads: int, authkey: Optional[bytes] = None) -> None:
@@ -55,8 +89,10 @@ class RolloutWorker:
         self.engine.set_compute_share(threads)  # calls may run on other threads than __init__
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams,
-                 weights_version: Optional[int] = None) -> list[Response]:
-        return self.engine.generate(prompts, params, weights_version)
+                 weights_version: Optional[int] = None, indices: Optional[list[int]] = None) -> list[Response]:
+        """``prompts`` (or its ``indices``) decoded; prompt indices of the responses count in the
+        selected list."""
+        return self.engine.generate(resolve(prompts, indices), params, weights_version)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """The pickled path (``sharing.enabled=false``): copy the received state dict in."""
@@ -76,11 +112,11 @@ class RolloutWorker:
     def weights_digest(self) -> dict[str, str]:
         return self.engine.weights_digest()
 
-    def release_memory(self) -> None:
-        self.engine.release_memory()
+    def release_memory(self, tags: tuple[str, ...] = ("kv_cache", "weights")) -> None:
+        self.engine.release_memory(tags)
 
-    def resume_memory(self) -> None:
-        self.engine.resume_memory()
+    def resume_memory(self, tags: tuple[str, ...] = ("kv_cache", "weights")) -> None:
+        self.engine.resume_memory(tags)
 
     def weights_version(self) -> int:
         return self.engine.weights_version
@@ -94,10 +130,10 @@ class RolloutWorker:
         return self.engine.decode_stats()
 
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
-                        weights_version: Optional[int] = None):
+                        weights_version: Optional[int] = None, indices: Optional[list[int]] = None):
         """Ray streaming generator (call with ``.options(num_returns="streaming")``): one object per
         batch of finished groups, the list of their responses."""
-        yield from self.engine.generate_stream(prompts, params, weights_version)
+        yield from self.engine.generate_stream(resolve(prompts, indices), params, weights_version)
 
 
 class TrainWorker:
@@ -107,19 +143,25 @@ class TrainWorker:
         backend: registered training engine name. model/actor/algorithm: config sections.
         seed: torch seed. threads: torch threads.
         authkey: the group's multiprocessing authkey (the RolloutWorker's too) when weights are shared.
+        layout: the run's ParallelLayout. rank: this worker's training rank.
+        dist_address: (host, port) of the torch.distributed rendezvous (None: one rank).
     """
 
     def __init__(self, backend: str, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig,
-                 seed: int, threads: int, authkey: Optional[bytes] = None):
+                 seed: int, threads: int, authkey: Optional[bytes] = None, layout=None, rank: int = 0,
+                 dist_address: Optional[tuple[str, int]] = None):
         _setup_process(threads, authkey)
-        self.engine = create_train_engine(backend, model=model, actor=actor, algorithm=algorithm, seed=seed)
+        if layout is not None:
+            init_distributed(rank, layout.world_size, dist_address, layout.device)
+        self.engine = create_train_engine(backend, model=model, actor=actor, algorithm=algorithm, seed=seed,
+                                          layout=layout, rank=rank)
 
     def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
                           with_entropy: bool = False):
-        return self.engine.compute_log_probs(batch, role, temperature, with_entropy)
+        return self.engine.compute_log_probs(resolve_batch(batch), role, temperature, with_entropy)
 
     def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
-        return self.engine.update_actor(batch, temperature)
+        return self.engine.update_actor(resolve_batch(batch), temperature)
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()
@@ -139,8 +181,9 @@ class TrainWorker:
     def prefetch_states(self, parts: tuple[str, ...]) -> int:
         return self.engine.prefetch_states(parts)
 
-    def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int):
-        return self.engine.precompute_prefixes(prompts, roles, weights_version)
+    def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int,
+                            indices: Optional[list[int]] = None):
+        return self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version)
 
     def set_threads(self, threads: int) -> None:
         """This worker's share of the cores for the coming phase."""

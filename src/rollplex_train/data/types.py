@@ -104,6 +104,26 @@ class Response:
     finish_reason: str
 
 
+@dataclass(frozen=True)
+class MiniBatchSpec:
+    """One optimizer step's share of a data-parallel rank's batch.
+
+    Attributes:
+        groups: local prompt indices (into ``TrainBatch.prompts``) of this rank's part of the
+            mini-batch; may be empty when a mini-batch has fewer groups than DP ranks.
+        num_tokens: response tokens of the whole mini-batch over all DP ranks.
+        num_seqs: responses of the whole mini-batch over all DP ranks.
+
+    The global counts make every ``loss_agg_mode`` normalise by the mini-batch, not by the rank's
+    part, so the sum of the ranks' gradients is the single-process gradient (EasyR1 passes the same
+    thing as ``meta_info["global_token_num"]``).
+    """
+
+    groups: tuple[int, ...]
+    num_tokens: int
+    num_seqs: int
+
+
 @dataclass
 class TrainBatch:
     """Responses grouped by prompt, with everything the actor update needs.
@@ -117,6 +137,11 @@ class TrainBatch:
         old_logprobs: (N, R) float32 log-probs under the weights that sampled (None before computed).
         ref_logprobs: (N, R) float32 reference log-probs (None when no KL is used).
         rollout_logprobs: (N, R) float32 log-probs reported by the rollout engine (diagnostics).
+        mini_batches: the optimizer steps of one PPO epoch over this batch, with global counts
+            (None: consecutive runs of ``actor.ppo_mini_batch_size`` prompts counted locally, the
+            single-process case).
+        source_rows: (N,) int64 row of each response in the step's whole batch, for a data-parallel
+            rank's part (None: this is the whole batch).
     """
 
     prompts: list[PromptSample]
@@ -127,10 +152,56 @@ class TrainBatch:
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     rollout_logprobs: Optional[torch.Tensor] = None
+    mini_batches: Optional[list[MiniBatchSpec]] = None
+    source_rows: Optional[torch.Tensor] = None
 
     @property
     def num_responses(self) -> int:
         return int(self.response_ids.shape[0])
+
+    def plan_mini_batches(self, groups_per_mini_batch: int) -> list[MiniBatchSpec]:
+        """``mini_batches`` if set, else consecutive runs of ``groups_per_mini_batch`` prompts with
+        this batch's own token/sequence counts."""
+        if self.mini_batches is not None:
+            return self.mini_batches
+        specs = []
+        for start in range(0, len(self.prompts), groups_per_mini_batch):
+            groups = tuple(range(start, min(start + groups_per_mini_batch, len(self.prompts))))
+            rows = self.rows_of(groups)
+            mask = self.response_mask.index_select(0, rows)
+            specs.append(MiniBatchSpec(groups, int(mask.sum()), int((mask.sum(-1) > 0).sum())))
+        return specs
+
+    def rows_of(self, prompt_indices) -> torch.Tensor:
+        """(n,) int64 rows of the responses of the given prompts, in row order."""
+        wanted = set(int(p) for p in prompt_indices)
+        return torch.tensor([i for i, g in enumerate(self.group_index.tolist()) if g in wanted], dtype=torch.long)
+
+    def split_by_rank(self, rank_of_group: list[int], num_ranks: int,
+                      groups_per_mini_batch: int) -> list["TrainBatch"]:
+        """This whole step's batch cut into one part per data-parallel rank.
+
+        Args:
+            rank_of_group: (P,) the DP rank of each prompt (whole GRPO groups stay together).
+            num_ranks: DP degree. groups_per_mini_batch: prompts per global optimizer step.
+
+        Returns:
+            ``num_ranks`` batches; each holds its groups in global order, ``source_rows`` and one
+            :class:`MiniBatchSpec` per global mini-batch (global counts), so every rank takes the
+            same number of optimizer steps.
+        """
+        assert len(rank_of_group) == len(self.prompts) and self.mini_batches is None
+        whole = self.plan_mini_batches(groups_per_mini_batch)
+        parts = []
+        for rank in range(num_ranks):
+            mine = [g for g in range(len(self.prompts)) if rank_of_group[g] == rank]
+            part = self.select_groups(mine)
+            local = {g: i for i, g in enumerate(mine)}
+            part.mini_batches = [MiniBatchSpec(tuple(local[g] for g in spec.groups if g in local),
+                                               spec.num_tokens, spec.num_seqs) for spec in whole]
+            part.source_rows = self.rows_of(mine)
+            parts.append(part)
+        return parts
 
     def select_groups(self, prompt_indices: list[int]) -> "TrainBatch":
         """The sub-batch holding the responses of the given prompts (prompt indices renumbered)."""
@@ -151,3 +222,20 @@ class TrainBatch:
             ref_logprobs=take(self.ref_logprobs),
             rollout_logprobs=take(self.rollout_logprobs),
         )
+
+
+def gather_rows(parts: list[TrainBatch], values: list[torch.Tensor], num_rows: int) -> torch.Tensor:
+    """Put per-rank (N_r, R) results back in the whole batch's row order: (num_rows, R) float32.
+
+    Raises:
+        AssertionError: a part without ``source_rows`` or rows left unfilled.
+    """
+    width = max(v.shape[1] for v in values)
+    out = torch.zeros(num_rows, width, dtype=values[0].dtype)
+    filled = 0
+    for part, value in zip(parts, values):
+        assert part.source_rows is not None
+        out[part.source_rows, : value.shape[1]] = value
+        filled += len(part.source_rows)
+    assert filled == num_rows, (filled, num_rows)
+    return out

@@ -3,7 +3,9 @@
 Everything here is arithmetic on integers (bytes); nothing is allocated. Sizes are per GPU of the
 colocated group. Legend: P parameters, L decoder layers, h hidden size, i MLP intermediate size,
 h_kv = kv_heads * head_dim, V vocabulary, t tensor-parallel degree, p pipeline degree, d data-parallel
-degree (``num_gpus / (t * p)``), T tokens, bf16 = 2 bytes, fp32 = 4 bytes.
+degree (``devices / (t * p)``), T tokens, bf16 = 2 bytes, fp32 = 4 bytes. The degrees are read from
+the run's one :class:`rollplex_train.parallel.ParallelLayout` (``train_tp``, ``train_pp``,
+``train_dp``, ``rollout_tp``, ``rollout_dp``).
 
 Sources:
 - Training states under Megatron's distributed optimizer: Megatron-LM
@@ -215,40 +217,6 @@ def training_state_bytes(num_params: int, *, strategy: str, tp: int, pp: int, dp
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Parallel layout of the colocated group.
-
-    Attributes:
-        num_gpus: GPUs of the run. actor_tp, actor_pp: actor/reference degrees; actor_dp =
-            num_gpus / (actor_tp * actor_pp). rollout_tp: TP of each rollout engine; engines =
-            num_gpus / rollout_tp.
-    """
-
-    num_gpus: int
-    actor_tp: int
-    actor_pp: int
-    rollout_tp: int
-
-    def __post_init__(self) -> None:
-        if self.num_gpus <= 0:
-            raise ValueError(f"cluster.num_gpus={self.num_gpus}: the memory plan is per GPU, expected > 0")
-        if self.num_gpus % (self.actor_tp * self.actor_pp):
-            raise ValueError(f"cluster.num_gpus={self.num_gpus} is not a multiple of actor.tensor_parallel_size"
-                             f" * actor.pipeline_parallel_size = {self.actor_tp * self.actor_pp}")
-        if self.num_gpus % self.rollout_tp:
-            raise ValueError(f"cluster.num_gpus={self.num_gpus} is not a multiple of rollout.tensor_parallel_size"
-                             f"={self.rollout_tp}")
-
-    @property
-    def actor_dp(self) -> int:
-        return self.num_gpus // (self.actor_tp * self.actor_pp)
-
-    @property
-    def rollout_engines(self) -> int:
-        return self.num_gpus // self.rollout_tp
-
-
-@dataclass(frozen=True)
 class BatchShape:
     """The step's batch, as the memory model sees it (upper bounds: buffers are sized for them).
 
@@ -309,15 +277,6 @@ def batch_shape(cfg: "Config", hf_config: Any) -> BatchShape:
 def param_bytes_of(cfg: "Config") -> int:
     """Bytes per parameter (and per KV/activation element) of ``model.dtype``."""
     return FP32 if cfg.model.dtype == "float32" else BF16
-
-
-def layout_of(cfg: "Config") -> Layout:
-    """The :class:`Layout` of ``cfg``: the devices of its :class:`ParallelLayout`, actor/rollout TP
-    and PP degrees."""
-    from rollplex_train.parallel import ParallelLayout
-
-    return Layout(num_gpus=ParallelLayout.from_config(cfg).world_size, actor_tp=cfg.actor.tensor_parallel_size,
-                  actor_pp=cfg.actor.pipeline_parallel_size, rollout_tp=cfg.rollout.tensor_parallel_size)
 
 
 def per_rank(count: int, ranks: int) -> int:

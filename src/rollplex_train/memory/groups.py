@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from rollplex_train.memory import estimate as est
+from rollplex_train.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     from rollplex_train.config import Config
@@ -75,11 +76,12 @@ class TensorGroup:
 
 
 def rollout_shares_actor_weights(cfg: "Config") -> bool:
-    """True when the rollout engine can use views of the actor's bf16 weights instead of a copy:
-    sharing enabled, Megatron layout, same TP degree, no pipeline split (a rollout rank then holds
-    exactly the actor rank's shard). Other layouts need a resharded copy (``sharing/`` plans those)."""
-    return (cfg.sharing.enabled and cfg.memory.train_strategy == "megatron" and cfg.actor.pipeline_parallel_size == 1
-            and cfg.actor.tensor_parallel_size == cfg.rollout.tensor_parallel_size)
+    """True when the rollout engine maps the actor's weights instead of keeping a copy: sharing
+    enabled, Megatron (TP-sharded) layout, no pipeline split. The share plan of ``sharing/`` then
+    says which rollout tensors are views (no bytes) and which are rebuilt into persistent buffers
+    (``rollout_rebuilt``); FSDP's flat shards and pipeline stages keep a full rollout copy."""
+    return (cfg.sharing.enabled and cfg.memory.train_strategy == "megatron"
+            and ParallelLayout.from_config(cfg).train_pp == 1)
 
 
 def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorGroup]:
@@ -91,9 +93,9 @@ def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorG
     if layout_name not in LAYOUTS:
         raise ValueError(f"layout {layout_name!r}: expected one of {list(LAYOUTS)}")
     mem = cfg.memory
-    lay, batch = est.layout_of(cfg), est.batch_shape(cfg, hf_config)
+    lay, batch = ParallelLayout.from_config(cfg), est.batch_shape(cfg, hf_config)
     text, vision = est.text_dims(hf_config), est.vision_dims(hf_config)
-    tp, pp, dp = lay.actor_tp, lay.actor_pp, lay.actor_dp
+    tp, pp, dp = lay.train_tp, lay.train_pp, lay.train_dp
     params, pbytes = est.total_parameters(hf_config), est.param_bytes_of(cfg)
     layer_params = est.llm_parameters(text) // text.layers  # ~ largest FSDP unit (embeddings excluded)
     states = est.training_state_bytes(params, strategy=mem.train_strategy, tp=tp, pp=pp, dp=dp,
@@ -106,7 +108,7 @@ def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorG
 
     prompts_rank = est.per_rank(batch.prompts, dp)
     first_mini_rank = est.per_rank(batch.mini_batch_prompts, dp)
-    responses_engine = est.per_rank(batch.prompts * batch.n, lay.rollout_engines)
+    responses_engine = est.per_rank(batch.prompts * batch.n, lay.rollout_dp)
     micro_suffix = batch.micro_groups * batch.n * batch.response_tokens
     micro_prefix = batch.micro_groups * batch.prompt_tokens
     train_vision = 0 if cfg.model.freeze_vision_tower else 1
@@ -138,6 +140,10 @@ def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorG
         TensorGroup("rollout_weights", 0 if shared else pbytes * params // lay.rollout_tp,
                     consumers=() if shared else ("rollout_decode", "weight_sync"),
                     note="views of actor_weights" if shared else f"{cfg.model.dtype} copy, rollout t={lay.rollout_tp}"),
+        TensorGroup("rollout_rebuilt", _rebuilt_bytes(cfg, hf_config) if shared else 0,
+                    consumers=("rollout_decode", "weight_sync") if shared else (),
+                    note=(f"share plan t={tp} -> r={lay.rollout_tp}: rebuilt/gathered rollout tensors"
+                          if shared else "none: rollout_weights is a copy")),
         TensorGroup("rollout_kv", responses_engine * (batch.prompt_tokens + batch.response_tokens)
                     * est.kv_bytes_per_token(text, lay.rollout_tp, pbytes), kind="scratch", consumers=("rollout_decode",),
                     note=f"{responses_engine} sequences/engine x {batch.prompt_tokens + batch.response_tokens} tokens"),
@@ -166,10 +172,17 @@ def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorG
                     consumers=("old_log_prob", "ref_log_prob", "actor_update"),
                     note=f"{micro_suffix} tokens x V/t x ({cfg.model.dtype} + fp32)"),
     ]
-    if mem.reserved_gib > 0:
+    if lay.device == "cuda":  # a CPU run has no CUDA context and uses gloo
         groups.append(TensorGroup("runtime_reserved", int(mem.reserved_gib * est.GIB), consumers=PHASES,
-                                  note="CUDA context, NCCL buffers, allocator slack (memory.reserved_gib)"))
+                                  note="CUDA contexts, NCCL communicators (memory.reserved_gib)"))
     return groups
+
+
+def _rebuilt_bytes(cfg: "Config", hf_config: Any) -> int:
+    """Per-device bytes of the rollout buffers the share plan rebuilds (``sharing.report``)."""
+    from rollplex_train.sharing.report import configured_device_totals, rebuilt_bytes_per_device
+
+    return rebuilt_bytes_per_device(configured_device_totals(cfg, hf_config))
 
 
 def _ordered(phases: tuple[str, ...]) -> tuple[str, ...]:

@@ -9,7 +9,8 @@
   layouts match, residency planned by :func:`residency.plan_residency` within the budget.
 
 The text ends with ``memory: naive_colocation=<a>GiB serial_offload=<b>GiB rollplex=<c>GiB budget=<B>GiB``
-(peaks over the phases). Assumptions and formulas: ``docs/memory.md``.
+(peaks over the phases), plus `` short=<s>GiB`` when even the rollplex plan needs more than the
+budget. Assumptions and formulas: ``docs/memory.md``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING
 
 from rollplex_train.memory import estimate as est
 from rollplex_train.memory.groups import PHASES, TensorGroup, rollout_shares_actor_weights, step_groups
-from rollplex_train.memory.residency import ResidencyPlan, phases_from_groups, plan_residency
+from rollplex_train.memory.residency import ResidencyPlan, minimum_budget, phases_from_groups, plan_residency
+from rollplex_train.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     from rollplex_train.config import Config
@@ -48,16 +50,17 @@ def serial_phase_bytes(groups: list[TensorGroup]) -> dict[str, int]:
     return {p.name: sum(sizes[g] for g in p.uses) for p in phases}
 
 
-def plan_rollplex(config: "Config", hf_config) -> tuple[list[TensorGroup], ResidencyPlan]:
-    """The rollplex groups of ``config`` and their residency plan.
-
-    Raises:
-        ValueError: a phase does not fit the budget (names the phase and the shortfall in GiB).
-    """
+def plan_rollplex(config: "Config", hf_config) -> tuple[list[TensorGroup], ResidencyPlan, tuple[str, int]]:
+    """The rollplex groups of ``config``, their residency plan and ``(phase, shortfall bytes)``: the
+    shortfall is 0 when the plan fits the budget; else the least budget any plan needs
+    (``residency.minimum_budget``, set by ``phase``) minus the budget, and the plan is made at that
+    least budget (so the table still shows the step)."""
     groups = step_groups(config, hf_config, "rollplex")
-    plan = plan_residency(groups, phases_from_groups(groups, PHASES), budget_bytes(config),
-                          allow_offload=config.memory.pinned_host_offload)
-    return groups, plan
+    phases = phases_from_groups(groups, PHASES)
+    budget, offload = budget_bytes(config), config.memory.pinned_host_offload
+    phase, need = minimum_budget(groups, phases, allow_offload=offload)
+    plan = plan_residency(groups, phases, max(budget, need), allow_offload=offload)
+    return groups, plan, (phase, max(0, need - budget))
 
 
 def report(config: "Config") -> str:
@@ -65,7 +68,7 @@ def report(config: "Config") -> str:
 
     Raises:
         FileNotFoundError: no architecture file (``model.hf_config`` / ``model.path``).
-        ValueError: layout/batch checks, or the rollplex plan does not fit the budget.
+        ValueError: layout/batch/share-plan checks (a plan over the budget is reported, not raised).
     """
     from rollplex_train.models.arch import load_hf_config
 
@@ -75,7 +78,7 @@ def report(config: "Config") -> str:
     hf = load_hf_config(config.model)
     naive = step_groups(config, hf, "naive")
     serial = step_groups(config, hf, "serial")
-    groups, plan = plan_rollplex(config, hf)
+    groups, plan, (worst, short) = plan_rollplex(config, hf)
     naive_total = sum(g.nbytes for g in naive)
     serial_bytes = serial_phase_bytes(serial)
     budget = budget_bytes(config)
@@ -104,8 +107,13 @@ def report(config: "Config") -> str:
     if peak_serial > budget:
         lines.append(f"serial with offload does not fit: {serial_bytes and max(serial_bytes, key=serial_bytes.get)} "
                      f"needs {_gib(peak_serial)} GiB")
+    if short:
+        lines.append(f"rollplex does not fit the {budget / est.GIB:g} GiB budget: {worst} needs at least "
+                     f"{_gib(plan.peak_bytes)} GiB, short by {short / est.GIB:.2f} GiB (the residency above is "
+                     "planned at that least budget)")
     lines.append(f"memory: naive_colocation={_gib(naive_total)}GiB serial_offload={_gib(peak_serial)}GiB "
-                 f"rollplex={_gib(plan.peak_bytes)}GiB budget={budget / est.GIB:g}GiB")
+                 f"rollplex={_gib(plan.peak_bytes)}GiB budget={budget / est.GIB:g}GiB"
+                 + (f" short={short / est.GIB:.2f}GiB" if short else ""))
     log.debug("memory plan of %s: peak %.1f GiB", config.trainer.experiment_name, plan.peak_bytes / est.GIB)
     return "\n".join(lines) + "\n"
 
@@ -122,7 +130,7 @@ def _describe(p, plan: ResidencyPlan) -> str:
 
 
 def _assumptions(config: "Config", hf) -> list[str]:
-    lay, batch = est.layout_of(config), est.batch_shape(config, hf)
+    lay, batch = ParallelLayout.from_config(config), est.batch_shape(config, hf)
     text = est.text_dims(hf)
     mem = config.memory
     shared = rollout_shares_actor_weights(config)
@@ -132,22 +140,24 @@ def _assumptions(config: "Config", hf) -> list[str]:
         f"- model: {params / 1e9:.2f}B parameters ({est.llm_parameters(text) / 1e9:.2f}B LLM, "
         f"{est.vision_parameters(hf) / 1e9:.2f}B vision), {config.model.dtype} weights/KV/activations, "
         f"architecture from {config.model.hf_config or config.model.path}",
-        f"- layout: {lay.num_gpus} GPUs; actor/reference TP={lay.actor_tp} PP={lay.actor_pp} DP={lay.actor_dp} "
-        f"({mem.train_strategy}, distributed optimizer={'on' if mem.distributed_optimizer else 'off'}); "
-        f"{lay.rollout_engines} rollout engines of TP={lay.rollout_tp}",
+        f"- layout: {lay.world_size} GPUs ({lay.nnodes} node(s) x {lay.devices_per_node}); actor/reference "
+        f"TP={lay.train_tp} PP={lay.train_pp} DP={lay.train_dp} ({mem.train_strategy}, distributed optimizer="
+        f"{'on' if mem.distributed_optimizer else 'off'}); {lay.rollout_dp} rollout engines of TP={lay.rollout_tp}",
         f"- batch: {batch.prompts} prompts x {batch.n} responses per step; prompts of "
         f"{batch.prompt_tokens} tokens (data.max_prompt_length, incl. {batch.vision_tokens} vision tokens = "
         f"{batch.vision_patches} vision-tower patches of the largest image/video); responses of "
         f"{batch.response_tokens} tokens (rollout.max_new_tokens, every sequence at the maximum)",
         f"- rollout KV cache: one cache per sequence (the prompt's cache is repeated n times, as the built-in "
         f"engine does), {est.kv_bytes_per_token(text, lay.rollout_tp, est.param_bytes_of(config)):,} bytes/token/GPU",
-        f"- update: mini-batches of {batch.mini_batch_prompts} prompts ({est.per_rank(batch.mini_batch_prompts, lay.actor_dp)}"
+        f"- update: mini-batches of {batch.mini_batch_prompts} prompts ({est.per_rank(batch.mini_batch_prompts, lay.train_dp)}"
         f"/rank), micro-batches of {batch.micro_groups} group(s) = {batch.micro_groups * batch.n} responses; "
         f"activation recompute={mem.activation_recompute}; vision tower "
         f"{'frozen' if config.model.freeze_vision_tower else 'trained'}",
         "- rollplex: old/ref prefix KV caches of the rank's prompts and the first mini-batch's actor prefix "
         "graphs are made in the decode window; rollout weights "
-        + ("are views of the actor's (same TP, no PP)" if shared else "are a separate copy"),
+        + ("map the actor's: views, plus the tensors the share plan rebuilds (rollout_rebuilt, as "
+           "rollplex-plan sharing counts them)" if shared else "are a separate copy"),
         f"- offload to pinned host memory: {'allowed' if mem.pinned_host_offload else 'off'}; "
-        f"reserved outside the groups: {mem.reserved_gib:g} GiB",
+        f"runtime_reserved: {mem.reserved_gib:g} GiB per GPU for CUDA contexts and NCCL communicators "
+        "(memory.reserved_gib; docs/memory.md gives the sources)",
     ]

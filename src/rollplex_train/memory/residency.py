@@ -209,13 +209,7 @@ def _plan_phase(i: int, phases: Sequence[Phase], groups: dict[str, GroupLike], a
     plan = PhasePlan(phase.name)
     res = plan.resident
     uses = list(phase.uses)
-    if allow_offload:
-        for g in uses:
-            res[g] = 1 if groups[g].num_items > 1 else groups[g].num_items
-    else:  # everything alive stays whole
-        for g, phases_alive in alive.items():
-            if i in phases_alive:
-                res[g] = groups[g].num_items
+    res.update(_minimum(i, phases, groups, alive, allow_offload))
     need = _bytes(res, groups)
     if need > budget:
         listed = ", ".join(f"{g} {groups[g].item_bytes * k / GIB:.2f}" for g, k in res.items() if k)
@@ -244,6 +238,31 @@ def _plan_phase(i: int, phases: Sequence[Phase], groups: dict[str, GroupLike], a
     plan.device_bytes = budget - free
     assert plan.device_bytes == _bytes(res, groups) <= budget
     return plan
+
+
+def _minimum(i: int, phases: Sequence[Phase], groups: dict[str, GroupLike], alive: dict[str, set[int]],
+             allow_offload: bool) -> dict[str, int]:
+    """Items phase ``i`` must hold on the device: one item of each per-prompt group it uses and the
+    other groups it uses whole; without offload every group alive in it, whole."""
+    if allow_offload:
+        return {g: 1 if groups[g].num_items > 1 else groups[g].num_items for g in phases[i].uses}
+    return {g: groups[g].num_items for g, phases_alive in alive.items() if i in phases_alive}
+
+
+def minimum_budget(groups: Sequence[GroupLike], phases: Sequence[Phase], *,
+                   allow_offload: bool = True) -> tuple[str, int]:
+    """``(phase, bytes)``: the phase whose minimum device footprint is the largest, and that footprint:
+    the smallest budget :func:`plan_residency` accepts for ``groups`` (bytes, per device).
+
+    Raises:
+        ValueError: as :func:`plan_residency` does for unknown groups or out-of-order live groups.
+    """
+    by_name = {g.name: g for g in groups}
+    alive = _lifetimes(by_name, phases)
+    needs = [(_bytes(_minimum(i, phases, by_name, alive, allow_offload), by_name), p.name)
+             for i, p in enumerate(phases)]
+    need, name = max(needs)
+    return name, need
 
 
 def _add(res: dict[str, int], g: str, want: int, groups: dict[str, GroupLike], free: int) -> int:

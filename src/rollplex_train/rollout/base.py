@@ -1,20 +1,33 @@
 """The rollout-engine protocol and its registry.
 
-A rollout engine turns prompts into sampled responses with per-token log-probs. The built-in engine
-(transformers, CPU/GPU) and the SGLang adapter (GPU) implement the same three-part contract:
-``generate``, ``update_weights`` (versioned), ``release_memory``/``resume_memory``.
+A rollout engine turns prompts into sampled responses with per-token log-probs. Its contract has
+the shape of an inference server (verl ``workers/rollout/base.py``: generate, update weights,
+release / resume memory by tag):
+
+- ``generate`` / ``generate_stream`` under a weights version (a stale request is refused);
+- weights: ``update_weights`` from a state dict or an iterator of ``(name, tensor)`` with a version
+  (the copied path), or ``map_shared_weights`` once (IPC handles of the trainer's tensors) then
+  ``sync_shared_weights(version)`` per step (the shared path);
+- ``release_memory(tags)`` / ``resume_memory(tags)`` with SGLang's tags ``kv_cache``, ``weights``;
+- optional capabilities: ``supports_compute_share`` (the planner may re-share the device while the
+  engine decodes) and streaming (the default ``generate_stream`` yields once at the end).
+
+Registered engines: ``builtin`` (transformers, CPU/GPU, run and tested here) and ``sglang``
+(``rollout/sglang.py``, written against SGLang 0.5.23's API; it needs the ``sglang`` extra and a GPU
+and has run only where ``scripts/check_sglang.py`` ran; see docs/sglang.md).
 """
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
 from rollplex_train.data.types import PromptSample, Response
 from rollplex_train.registry import Registry
+from rollplex_train.versioning import StaleWeightsError  # noqa: F401  (part of the rollout contract)
 
 
 @dataclass(frozen=True)
@@ -41,10 +54,6 @@ class SamplingParams:
     seed: int = 0
 
 
-class StaleWeightsError(RuntimeError):
-    """A request or weight update carries a weights version other than the engine's."""
-
-
 class RolloutEngine(abc.ABC):
     """Base class of rollout engines (verl ``workers/rollout/base.py`` in spirit)."""
 
@@ -62,11 +71,14 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
-        """Load new policy weights and set the weights version.
+    def update_weights(self, named_tensors: "dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]",
+                       version: int) -> None:
+        """Load new policy weights (a state dict, or an iterator of ``(name, tensor)`` as verl's
+        ``update_weights(weights: Generator)``) and set the weights version.
 
         Raises:
             StaleWeightsError: ``version`` is not newer than the current one.
+            ValueError: names or shapes that do not match the engine's model.
         """
 
     def map_shared_weights(self, payload: bytes) -> int:
@@ -102,6 +114,9 @@ class RolloutEngine(abc.ABC):
         everything in one item when the request is done (this default)."""
         yield self.generate(prompts, params, weights_version)
 
+    supports_compute_share: bool = True
+    """Whether ``set_compute_share`` changes anything (the planner only re-shares engines that can)."""
+
     def set_compute_share(self, threads: int) -> None:
         """This engine's share of the device from now on: on CPU the torch threads of the decode
         loop, applied from its next decode step (so a planner can re-share mid-window). May be
@@ -116,18 +131,24 @@ class RolloutEngine(abc.ABC):
         return dict(getattr(self, "_decode_stats", {}))
 
     @abc.abstractmethod
-    def release_memory(self) -> None:
-        """Free the engine's device memory (KV cache, and weights where the backend supports it)."""
+    def release_memory(self, tags: tuple[str, ...] = ("kv_cache", "weights")) -> None:
+        """Free the engine's device memory of the given tags (``kv_cache``, ``weights``; SGLang's
+        ``release_memory_occupation(tags=...)``), on an idle engine.
+
+        Raises:
+            ValueError: an unknown tag.
+        """
 
     @abc.abstractmethod
-    def resume_memory(self) -> None:
-        """Re-acquire what ``release_memory`` freed; generate works again after this."""
+    def resume_memory(self, tags: tuple[str, ...] = ("kv_cache", "weights")) -> None:
+        """Re-acquire what ``release_memory(tags)`` freed; generate works again once every tag is
+        resumed."""
 
 
 ROLLOUT_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry(
     "rollout.name",
-    # shipped engines, imported on first use (the SGLang adapter is not built yet)
-    modules={"builtin": "rollplex_train.rollout.builtin"},
+    # shipped engines, imported on first use (the SGLang adapter imports SGLang only when built)
+    modules={"builtin": "rollplex_train.rollout.builtin", "sglang": "rollplex_train.rollout.sglang"},
 )
 register_rollout_engine = ROLLOUT_ENGINES.register
 

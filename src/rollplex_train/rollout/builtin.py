@@ -5,13 +5,17 @@ cache is repeated ``n`` times along the batch (the n responses of a prompt share
 SGLang's radix cache does), then tokens are decoded for all live sequences together. Finished
 sequences are dropped from the cache, so the decode batch shrinks along the long tail.
 
-Sampling follows the usual order: logits / temperature -> top-k -> top-p -> multinomial draw with a
-seeded ``torch.Generator``. The returned log-prob of a token is taken from ``log_softmax(logits /
+Sampling follows the usual order: logits / temperature -> top-k -> top-p -> a draw by inverse CDF
+with one seeded ``torch.Generator`` per sequence, seeded from (request seed, prompt uid, sample
+index): a sequence's tokens do not depend on which other prompts share its batch or its rollout
+engine, so data-parallel rollout over any number of engines samples what one engine would (the
+per-request ``seed`` of SGLang/vLLM sampling parameters, per sequence). The returned log-prob of a token is taken from ``log_softmax(logits /
 temperature)`` before truncation, the distribution the actor recomputes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from typing import Iterator, Optional
@@ -24,6 +28,29 @@ from rollplex_train.models.sequence import pad_prompts, rope_positions, vision_k
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
 
 log = logging.getLogger(__name__)
+
+
+def sequence_generator(seed: int, uid: str, index: int) -> torch.Generator:
+    """The sampling generator of response ``index`` of prompt ``uid`` under request ``seed``: seeded
+    by a stable hash (BLAKE2b, not Python's salted ``hash``), the same in every process."""
+    digest = hashlib.blake2b(f"{seed}:{uid}:{index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def draw(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """Sample one token per row by inverse CDF, row ``i`` with its own generator ``gens[i]``.
+
+    Args:
+        probs: (B, V) float32 probabilities (rows sum to 1 up to rounding; zeros never drawn).
+        gens: B generators.
+
+    Returns:
+        (B,) int64 token ids.
+    """
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(probs.dtype)
+    cdf = probs.cumsum(-1)
+    u = u * cdf[:, -1]  # inside [0, total) whatever the rounding of the sum
+    return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -98,12 +125,12 @@ class BuiltinRolloutEngine(RolloutEngine):
             )
         if self._shared is not None:  # the trainer's own tensors: refuse them stale or mid-update
             self._shared.check(self.weights_version)
-        gen = torch.Generator().manual_seed(params.seed)
         self._decode_stats = {}
         per_chunk = max(1, self.max_batch_size // params.n)
         for start in range(0, len(prompts), per_chunk):
             chunk = prompts[start : start + per_chunk]
-            for finished in self._generate_chunk(chunk, params, gen):
+            gens = [sequence_generator(params.seed, p.uid, k) for p in chunk for k in range(params.n)]
+            for finished in self._generate_chunk(chunk, params, gens):
                 for r in finished:
                     r.prompt_index += start
                 yield finished
@@ -116,6 +143,7 @@ class BuiltinRolloutEngine(RolloutEngine):
                                "update_weights would write into the trainer's memory")
         if version <= self.weights_version:
             raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
+        named_tensors = dict(named_tensors)  # a state dict or an iterator of (name, tensor)
         current = self.model.state_dict()
         tied = {k for k in current if k.endswith("lm_head.weight")} if self.model.config.tie_word_embeddings else set()
         missing = sorted(set(current) - set(named_tensors) - tied)
@@ -141,11 +169,9 @@ class BuiltinRolloutEngine(RolloutEngine):
         return nbytes
 
     def sync_shared_weights(self, version: int) -> None:
-        if self._shared is None:
-            raise RuntimeError("sync_shared_weights before map_shared_weights")
-        if version <= self.weights_version:
-            raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
-        self._shared.check(version)
+        from rollplex_train.sharing.ipc import check_sync
+
+        check_sync(self._shared, self.weights_version, version)
         self.weights_version = version
 
     def weights_digest(self) -> dict[str, str]:
@@ -153,13 +179,21 @@ class BuiltinRolloutEngine(RolloutEngine):
 
         return weights_digest(self.model)
 
-    def release_memory(self) -> None:
-        # The KV cache lives only inside a request, so between requests there is no cache to free;
-        # on CPU the weights stay (they are shared with the trainer in the embedded run).
-        self._released = True
+    MEMORY_TAGS = ("kv_cache", "weights")
 
-    def resume_memory(self) -> None:
-        self._released = False
+    def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        """The KV cache lives only inside a request, so between requests there is none to free; the
+        weights stay in memory (shared with the trainer in the embedded run). The released tags are
+        recorded and ``generate`` refuses to run until they are resumed."""
+        unknown = set(tags) - set(self.MEMORY_TAGS)
+        if unknown:
+            raise ValueError(f"release_memory tags {sorted(unknown)}: expected some of {list(self.MEMORY_TAGS)}")
+        self._released_tags = set(getattr(self, "_released_tags", set())) | set(tags)
+        self._released = bool(self._released_tags)
+
+    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        self._released_tags = set(getattr(self, "_released_tags", set())) - set(tags)
+        self._released = bool(self._released_tags)
 
     # ---- decode ---------------------------------------------------------------------------------
     def _account(self, since: float, steps: int) -> float:
@@ -176,7 +210,7 @@ class BuiltinRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_chunk(self, prompts: list[PromptSample], params: SamplingParams,
-                        gen: torch.Generator) -> Iterator[list[Response]]:
+                        gens: list[torch.Generator]) -> Iterator[list[Response]]:
         """Decode ``prompts`` together; after a decode step that finished some groups, yield the
         responses of those groups (all n of each), and when decoding ends, those of all the rest."""
         from transformers import DynamicCache
@@ -219,7 +253,7 @@ class BuiltinRolloutEngine(RolloutEngine):
                 scaled = logits / params.temperature
                 logp_all = torch.log_softmax(scaled, dim=-1)
                 probs = filter_logits(allowed / params.temperature, params.top_k, params.top_p).softmax(-1)
-                next_tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                next_tok = draw(probs, [gens[seq] for seq in alive.tolist()])
             else:
                 logp_all = torch.log_softmax(logits, dim=-1)
                 next_tok = allowed.argmax(-1)

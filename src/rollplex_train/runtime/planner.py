@@ -146,3 +146,34 @@ class PhasePlanner:
             cost.seconds(t.kind, t.tokens, self.total) for t in after)
         return WindowPlan("plan", decode_share, train_share, run_order(admitted), run_order(after),
                           predicted, None, held)
+
+
+def place_groups(prompt_tokens: list[int], groups_per_mini_batch: int, dp_size: int) -> list[int]:
+    """The DP rank of each prompt group for one step, decided before decoding.
+
+    Each global mini-batch (``groups_per_mini_batch`` consecutive prompts) is dealt over the DP
+    ranks, largest prompt first to the rank with the fewest groups, then the fewest prompt tokens
+    (ties: lower rank), so every rank
+    takes part in every optimizer step with a balanced share of the prefix work. A group's prefix
+    and suffix tasks then run on that rank (its prefix states stay where they were made).
+
+    Args:
+        prompt_tokens: (P,) prompt lengths in tokens. groups_per_mini_batch: prompts per optimizer
+            step. dp_size: data-parallel ranks.
+
+    Returns:
+        (P,) rank per prompt; deterministic for the same inputs.
+    """
+    ranks = [0] * len(prompt_tokens)
+    if dp_size == 1:
+        return ranks
+    for start in range(0, len(prompt_tokens), groups_per_mini_batch):
+        members = range(start, min(start + groups_per_mini_batch, len(prompt_tokens)))
+        load = [0] * dp_size
+        count = [0] * dp_size
+        for g in sorted(members, key=lambda g: (-prompt_tokens[g], g)):
+            rank = min(range(dp_size), key=lambda r: (count[r], load[r], r))
+            ranks[g] = rank
+            load[rank] += prompt_tokens[g]
+            count[rank] += 1
+    return ranks

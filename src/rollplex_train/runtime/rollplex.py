@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import replace
 
-import ray
 import torch
 
 from rollplex_train.data.types import PromptSample
@@ -29,6 +29,7 @@ from rollplex_train.runtime import batching
 from rollplex_train.runtime.cost_model import CostModel
 from rollplex_train.runtime.graph import build_step_graph
 from rollplex_train.runtime.planner import PhasePlanner, WindowPlan
+from rollplex_train.runtime.protocol import get_all, wait_first
 from rollplex_train.runtime.serial import SerialSchedule, sampling_params
 
 GIB = 1024**3
@@ -45,6 +46,23 @@ def prefix_calls(task_names: list[str]) -> list[tuple[str, list[int]]]:
         else:
             calls.append((role, [int(group[1:])]))
     return calls
+
+
+ROLE_ORDER = {"old": 0, "ref": 1, "actor": 2}
+
+
+def _globalise(task_names: list[str], groups: list[int]) -> list[str]:
+    """Prefix task names of a DP rank's graph (``prefix/<role>/g<local>``) with global group indices."""
+    out = []
+    for name in task_names:
+        kind, role, group = name.split("/")
+        out.append(f"{kind}/{role}/g{groups[int(group[1:])]}")
+    return out
+
+
+def _run_order(task_names: list[str]) -> list[str]:
+    """Old-policy, reference, then actor prefixes, each by group (``planner.run_order``'s order)."""
+    return sorted(task_names, key=lambda n: (ROLE_ORDER[n.split("/")[1]], int(n.split("/")[2][1:])))
 
 
 class RollplexSchedule(SerialSchedule):
@@ -73,9 +91,31 @@ class RollplexSchedule(SerialSchedule):
         self.response_tokens, self.decode_steps = int(state["response_tokens"]), int(state["decode_steps"])
         self.bytes_per_token = {k: float(v) for k, v in state["bytes_per_token"].items()}
 
-    def _graph(self, prompts: list[PromptSample]):
+    def _plan(self, step_prompts) -> WindowPlan:
+        """One window plan per DP rank over its own groups (each device decodes and encodes only
+        its groups), merged: the window and after tasks of every rank (global group indices, in
+        run order), the shares and predictions of the rank with the longest predicted window (all
+        devices run the same share, and the driver waits for the slowest)."""
+        mini = self.groups_per_mini_batch(len(step_prompts.prompts))
+        plans = []
+        for groups in step_prompts.groups_of_dp:
+            if not groups:
+                continue
+            first = sum(g < mini for g in groups)  # this rank's groups in the first mini-batch
+            plan = self.planner.plan(self._graph([step_prompts.prompts[g] for g in groups], max(1, first)), self.cost)
+            keep = (lambda n: first > 0 or "/actor/" not in n)  # no actor prefix ahead of a foreign step
+            plans.append(replace(plan, window_tasks=_globalise([n for n in plan.window_tasks if keep(n)], groups),
+                                 after_tasks=_globalise([n for n in plan.after_tasks if keep(n)], groups)))
+        lead = max(plans, key=lambda p: (p.predicted_s or 0.0, len(p.window_tasks)))
+        return replace(lead, window_tasks=_run_order([t for p in plans for t in p.window_tasks]),
+                       after_tasks=_run_order([t for p in plans for t in p.after_tasks]),
+                       window_bytes=max(p.window_bytes for p in plans))
+
+    def _graph(self, prompts: list[PromptSample], first_mini_batch_groups: int):
+        """The task graph of one DP rank's groups; the first ``first_mini_batch_groups`` (>= 1) of
+        them belong to the first global mini-batch (their actor prefixes may run in the window)."""
         cfg = self.cfg
-        mini = cfg.actor.ppo_mini_batch_size if cfg.actor.ppo_mini_batch_size > 0 else len(prompts)
+        mini = first_mini_batch_groups
         return build_step_graph(
             [p.prompt_length for p in prompts], self.response_tokens, decode_steps=self.decode_steps,
             mini_batch_groups=mini,
@@ -94,13 +134,15 @@ class RollplexSchedule(SerialSchedule):
                 self.cost.observe_switch(time.perf_counter() - begin)
         return wanted
 
-    def _submit(self, prompts: list[PromptSample], calls: list[tuple[str, list[int]]]) -> list:
-        return [self.workers.train.precompute_prefixes.remote([prompts[i] for i in groups], [role], self.weights_version)
+    def _submit(self, step_prompts, calls: list[tuple[str, list[int]]]) -> list:
+        """One Pending per prefix call, each fanned out to the DP ranks that own its groups."""
+        return [self.workers.train.precompute_prefixes(step_prompts, groups, [role], self.weights_version)
                 for role, groups in calls]
 
-    def rollout_phase(self, prompts: list[PromptSample], step: int, t: dict[str, float]):
+    def rollout_phase(self, step_prompts, step: int, t: dict[str, float]):
         w, tl, total = self.workers, self.timeline, self.workers.threads
-        plan = self.last_plan = self.planner.plan(self._graph(prompts), self.cost)
+        prompts = step_prompts.prompts
+        plan = self.last_plan = self._plan(step_prompts)
         full = (total, total)
         split = (plan.decode_share, plan.train_share) if plan.overlaps else w.halves()
         stream_suffix = self.cfg.schedule.stream_suffix and total > 1 and plan.mode != "profile_serial"
@@ -113,58 +155,55 @@ class RollplexSchedule(SerialSchedule):
         share = self._set_share(split if plan.overlaps else full, full, t)
         with tl.span("gen", "rollout", t):
             gen_start = tl.now()
-            stream = w.rollout.generate_stream.options(num_returns="streaming").remote(
-                prompts, sampling_params(self.cfg, step), self.weights_version)
-            window = self._submit(prompts, prefix_calls(plan.window_tasks)) if plan.overlaps else []
+            stream = w.rollout.generate_stream(step_prompts, sampling_params(self.cfg, step), self.weights_version)
+            window = self._submit(step_prompts, prefix_calls(plan.window_tasks)) if plan.overlaps else []
             pending, decoding = list(window), True
             while decoding:
-                ready, _ = ray.wait([stream, *pending, *(r for _, refs in tail for r in refs)], num_returns=1)
-                if stream in ready:
-                    try:
-                        for r in ray.get(next(stream)):
-                            groups.setdefault(r.prompt_index, []).append(r)
-                    except StopIteration:
-                        pass
-                    decoding = len(groups) < len(prompts)  # groups still decoding: we are in the tail
-                pending = [r for r in pending if r not in ready]
-                self._collect_tail(tail, timeout=0)
+                wait_first([stream.next_future(), *pending, *(p for _, ps in tail for p in ps)])
+                for r in stream.take():
+                    groups.setdefault(r.prompt_index, []).append(r)
+                n_done = sum(len(rs) == self.cfg.rollout.n for rs in groups.values())
+                decoding = n_done < len(prompts) and not stream.finished  # groups still decoding: the tail
+                pending = [p for p in pending if not p.done()]
+                self._collect_tail(tail, wait=False)
                 fresh = sorted(set(groups) - submitted)
                 start_tail = decoding and stream_suffix and bool(fresh) and not pending and not tail
                 share = self._set_share(split if pending or tail or start_tail else full, share, t)
                 if start_tail:  # suffix tasks of the groups already finished, beside the decode tail
                     batch = batching.groups_batch(prompts, groups, fresh, self.pad_id)
                     temp = self.cfg.rollout.temperature
-                    tail.append((fresh, [w.train.compute_log_probs.remote(batch, role, temp) for role in roles]))
+                    parts = w.train.parts(batch, self.step_prompts_for(batch), len(batch.prompts))
+                    tail.append((fresh, [w.train.compute_log_probs(parts, role, temp, batch.num_responses)
+                                         for role in roles]))
                     submitted.update(fresh)
             gen_end = tl.now()
         if pending or tail:
             with tl.span("prefix_exposed", "train", t):  # window / tail work that outlasted decode
-                ray.get(pending)
-                self._collect_tail(tail, timeout=None)
+                get_all(pending)
+                self._collect_tail(tail, wait=True)
         self._set_share(full, share, t)
         scored = set(self.streamed["actor"])  # their old/ref suffixes already ran (in the tail)
         after_tasks = [n for n in plan.after_tasks
                        if n.split("/")[1] == "actor" or int(n.split("/")[2][1:]) not in scored]
         with tl.span("prefix_after", "train", t):
-            after = ray.get(self._submit(prompts, prefix_calls(after_tasks)))
-        results = ray.get(window) + after
+            after = get_all(self._submit(step_prompts, prefix_calls(after_tasks)))
+        results = [r for per_dp in get_all(window) + after for r in per_dp]  # (dp, result dict)
         responses = [r for i in range(len(prompts)) for r in groups[i]]
-        self._observe(responses, results, ray.get(w.rollout.decode_stats.remote()), len(prompts))
-        metrics = self._metrics(plan, results, gen_start, gen_end)
+        self._observe(responses, results, w.rollout.decode_stats(), len(prompts))
+        metrics = self._metrics(plan, [r for _, r in results], gen_start, gen_end)
         metrics["rollplex/tail_groups"] = float(len(self.streamed["actor"]))
         return responses, metrics
 
-    def _collect_tail(self, tail: list, timeout) -> None:
+    def _collect_tail(self, tail: list, wait: bool) -> None:
         """Move finished suffix calls of the decode tail into ``self.streamed[role][prompt index]``
-        ((n, R_g) log-probs of that group's rows); ``timeout=None`` waits for all."""
+        ((n, R_g) log-probs of that group's rows); ``wait=True`` waits for all."""
         n = self.cfg.rollout.n
         for entry in list(tail):
-            indices, refs = entry
-            done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-            if len(done) < len(refs):
+            indices, pendings = entry
+            if not wait and not all(p.done() for p in pendings):
                 continue
             tail.remove(entry)
-            for role, (logp, _) in zip(("actor", "ref"), ray.get(refs)):
+            for role, logp in zip(("actor", "ref"), get_all(pendings)):
                 for k, i in enumerate(indices):  # groups_batch keeps each group's n rows together, in order
                     self.streamed[role][i] = logp[k * n : (k + 1) * n]
 
@@ -182,20 +221,20 @@ class RollplexSchedule(SerialSchedule):
             out[batching.group_rows(batch, [g]), : logp.shape[1]] = logp
         return out
 
-    def _observe(self, responses, results: list[dict], decode_stats: dict, num_groups: int) -> None:
+    def _observe(self, responses, results: list[tuple[int, dict]], decode_stats: dict, num_groups: int) -> None:
         """Update the cost model and the graph's size estimates with this step's measurements."""
         for threads, (seconds, steps) in decode_stats.items():
             self.cost.observe("decode", steps, threads, seconds)
         self.decode_steps = max(1, sum(steps for _, steps in decode_stats.values()))
-        held = 0.0
-        for r in results:
+        held: dict[int, float] = defaultdict(float)  # per DP rank: bytes held before the call
+        for dp, r in results:
             threads = int(r["prefix/threads"])
             for role in ("old", "ref", "actor"):
                 if f"prefix/{role}/seconds" in r:
                     tokens = int(r[f"prefix/{role}/tokens"])
                     self.cost.observe(f"prefix/{role}", tokens, threads, r[f"prefix/{role}/seconds"])
-                    self.bytes_per_token[role] = max(0.0, r["prefix/bytes_held"] - held) / max(1, tokens)
-            held = r["prefix/bytes_held"]
+                    self.bytes_per_token[role] = max(0.0, r["prefix/bytes_held"] - held[dp]) / max(1, tokens)
+            held[dp] = r["prefix/bytes_held"]
         self.response_tokens = max(1, round(sum(len(x.token_ids) for x in responses) / num_groups))
 
     def _metrics(self, plan: WindowPlan, results: list[dict], gen_start: float, gen_end: float) -> dict[str, float]:

@@ -12,14 +12,12 @@ moved. With ``sharing.enabled=false`` the state dict is pickled through Ray and 
 
 from __future__ import annotations
 
-import ray
-
 from rollplex_train.algo.rewards import RewardManager
-from rollplex_train.cluster.ray_cluster import WorkerGroup
 from rollplex_train.config import Config
 from rollplex_train.data.types import PromptSample
 from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.runtime import batching
+from rollplex_train.runtime.planner import place_groups
 from rollplex_train.runtime.timeline import Timeline
 from rollplex_train.tracking.timing import compute_throughput, timer, timing_metrics
 
@@ -44,46 +42,60 @@ class SerialSchedule:
     """Drives one training step through the worker group, phase after phase.
 
     Args:
-        cfg: the run's config. workers: the colocated rollout + train workers.
+        cfg: the run's config. workers: the rollout and train groups (``cluster.launch.Workers``).
         reward: the reward manager (runs in the driver). pad_id: the tokenizer's pad token id.
     """
 
-    def __init__(self, cfg: Config, workers: WorkerGroup, reward: RewardManager, pad_id: int):
+    def __init__(self, cfg: Config, workers, reward: RewardManager, pad_id: int):
         self.cfg, self.workers, self.reward, self.pad_id = cfg, workers, reward, pad_id
         self.weights_version = 0
         self.timeline = Timeline()  # the spans of the last step (Chrome trace / Gantt)
         self.sharing_metrics = {"sharing/shared_bytes_frac": 0.0}
         self.sync_metrics: dict[str, float] = {}
+        self.imbalance: dict[str, float] = {}  # timing_s/<phase>_imbalance of the last step (DP > 1)
         if cfg.sharing.enabled:
             self.share_weights()
 
     def share_weights(self) -> None:
         """Map the trainer's weights into the rollout engine, once: the train worker moves them to
         shared memory and exports handles, the rollout worker points its parameters at them."""
-        export = ray.get(self.workers.train.export_shared_weights.remote())
-        mapped = ray.get(self.workers.rollout.map_shared_weights.remote(export["payload"]))
-        if mapped != export["view_bytes"] + export["rebuild_bytes"]:
-            raise RuntimeError(f"the rollout mapped {mapped} bytes of shared weights, the trainer shared "
-                               f"{export['view_bytes']} + {export['rebuild_bytes']} rebuilt")
-        self.sharing_metrics = {"sharing/shared_bytes_frac": export["view_bytes"] / max(1, export["rollout_bytes"])}
+        exports = self.workers.train.export_shared_weights().result()  # per rank
+        mapped = self.workers.rollout.map_shared_weights([e["payload"] for e in exports])
+        first = [exports[self.workers.layout.rollout_devices(e)[0]] for e in range(len(mapped))]
+        for got, export in zip(mapped, first):
+            if got != export["view_bytes"] + export["rebuild_bytes"]:
+                raise RuntimeError(f"a rollout engine mapped {got} bytes of shared weights, the trainer shared "
+                                   f"{export['view_bytes']} + {export['rebuild_bytes']} rebuilt")
+        self.sharing_metrics = {"sharing/shared_bytes_frac":
+                                sum(e["view_bytes"] for e in first) / max(1, sum(e["rollout_bytes"] for e in first))}
 
     def sync_weights(self, version: int) -> None:
         """Give the rollout engine the actor's weights as ``version``: publish the shared ones
         (``sharing.enabled``) or push a pickled state dict."""
         w = self.workers
         if self.cfg.sharing.enabled:
-            published = w.train.publish_weights.remote(version)  # resolved by Ray before the rollout call
-            self.sync_metrics = ray.get(w.rollout.sync_shared_weights.remote(version, published))
+            self.sync_metrics = w.rollout.sync_shared_weights(version, w.train.publish_weights(version).result())
         else:
-            self.sync_metrics = ray.get(w.rollout.update_weights.remote(w.train.rollout_weights.remote(), version))
+            self.sync_metrics = w.rollout.update_weights(w.train.rollout_weights().result(), version)
         self.weights_version = version
 
-    def rollout_phase(self, prompts: list[PromptSample], step: int, t: dict[str, float]):
+    def place(self, prompts: list[PromptSample]):
+        """The step's prompts placed on the DP ranks (``planner.place_groups``) and put in the
+        object store once (``cluster.groups.StepPrompts``)."""
+        ranks = place_groups([p.prompt_length for p in prompts], self.groups_per_mini_batch(len(prompts)),
+                             self.workers.train.dp_size)
+        return self.workers.train.place(prompts, ranks)
+
+    def groups_per_mini_batch(self, num_prompts: int) -> int:
+        mini = self.cfg.actor.ppo_mini_batch_size
+        return mini if mini > 0 else num_prompts
+
+    def rollout_phase(self, step_prompts, step: int, t: dict[str, float]):
         """Decode the step's responses (timed as ``gen``); the serial schedule does nothing else
         meanwhile. Returns (responses, extra metrics)."""
         with self.timeline.span("gen", "rollout", t):
-            responses = ray.get(self.workers.rollout.generate.remote(
-                prompts, sampling_params(self.cfg, step), self.weights_version))
+            responses = self.workers.rollout.generate(step_prompts, sampling_params(self.cfg, step),
+                                                      self.weights_version).result()
         return responses, {}
 
     def state_dict(self) -> dict:
@@ -95,8 +107,20 @@ class SerialSchedule:
 
     def log_probs(self, batch, role: str, temperature: float):
         """(B, R) float32 log-probs of every response under ``role`` (``actor``: the old policy,
-        ``ref``: the reference), computed by the training worker."""
-        return ray.get(self.workers.train.compute_log_probs.remote(batch, role, temperature))[0]
+        ``ref``: the reference), computed by the training ranks on their DP parts."""
+        parts = self.workers.train.parts(batch, self.step_prompts_for(batch), self.groups_per_mini_batch(len(batch.prompts)))
+        pending = self.workers.train.compute_log_probs(parts, role, temperature, batch.num_responses)
+        out = pending.result()
+        self.imbalance[f"timing_s/{'old_log_prob' if role == 'actor' else 'ref'}_imbalance"] = pending.imbalance()
+        return out
+
+    def step_prompts_for(self, batch):
+        """The step placement of ``batch``'s prompts (the whole step, or a sub-batch of groups:
+        placed afresh)."""
+        if batch.prompts is self.step_prompts.prompts:
+            return self.step_prompts
+        uid_rank = {p.uid: r for p, r in zip(self.step_prompts.prompts, self.step_prompts.rank_of_group)}
+        return self.workers.train.place(batch.prompts, [uid_rank[p.uid] for p in batch.prompts])
 
     def run_step(self, prompts: list[PromptSample], step: int) -> dict[str, float]:
         """One synchronous on-policy step; returns the step's metrics."""
@@ -104,11 +128,13 @@ class SerialSchedule:
         temp = cfg.rollout.temperature
         t: dict[str, float] = {}
         self.timeline = tl = Timeline()
+        self.imbalance: dict[str, float] = {}
         offload = ("optimizer",) if cfg.memory.offload_optimizer else ()
         with timer("step", t):
             if offload:  # queued before any window task: the states leave the device as decode starts
-                offloaded = w.train.offload_states.remote(offload)
-            responses, window_metrics = self.rollout_phase(prompts, step, t)
+                offloaded = w.train.offload_states(offload)
+            self.step_prompts = self.place(prompts)
+            responses, window_metrics = self.rollout_phase(self.step_prompts, step, t)
             batch = batching.to_train_batch(prompts, responses, self.pad_id)
             with tl.span("reward", "driver", t):
                 scores, metrics = batching.score_responses(self.reward, batch, responses)
@@ -123,16 +149,22 @@ class SerialSchedule:
                 metrics.update(batching.add_advantages(cfg, batch, scores))
             if offload:
                 with tl.span("prefetch", "train", t):
-                    metrics["memory/offloaded_bytes"] = float(ray.get(offloaded))
-                    metrics["memory/prefetched_bytes"] = float(ray.get(w.train.prefetch_states.remote(offload)))
+                    metrics["memory/offloaded_bytes"] = float(offloaded.result())
+                    metrics["memory/prefetched_bytes"] = float(w.train.prefetch_states(offload).result())
             with tl.span("update_actor", "train", t):
-                metrics.update(ray.get(w.train.update_actor.remote(batch, temp)))
+                parts = w.train.parts(batch, self.step_prompts, self.groups_per_mini_batch(len(prompts)))
+                pending = w.train.update_actor(parts, temp)
+                metrics.update(pending.result())
+                self.imbalance["timing_s/update_actor_imbalance"] = pending.imbalance()
             with tl.span("update_weights", "rollout", t):
                 self.sync_weights(self.weights_version + 1)
         metrics.update(batching.batch_metrics(batch, responses, cfg.rollout.max_new_tokens))
         metrics.update(timing_metrics(t))
+        if self.workers.train.dp_size > 1:  # slowest DP rank over the mean, per phase
+            metrics.update(self.imbalance)
         metrics["perf/total_num_tokens"] = float(batching.num_tokens(batch))
-        metrics["perf/throughput"] = compute_throughput(batching.num_tokens(batch), t["step"], num_devices=1)
+        metrics["perf/throughput"] = compute_throughput(batching.num_tokens(batch), t["step"],
+                                                        num_devices=self.workers.layout.world_size)
         metrics["actor/weights_version"] = float(self.weights_version)
         metrics.update(self.sharing_metrics)
         metrics.update(self.sync_metrics)
@@ -141,4 +173,4 @@ class SerialSchedule:
     def generate_val(self, prompts: list[PromptSample], step: int):
         """Greedy (``rollout.val_temperature``) single responses for validation."""
         params = sampling_params(self.cfg, step, validate=True)
-        return ray.get(self.workers.rollout.generate.remote(prompts, params, self.weights_version))
+        return self.workers.rollout.generate(self.place(prompts), params, self.weights_version).result()

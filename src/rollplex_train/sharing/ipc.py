@@ -35,13 +35,11 @@ import torch
 import torch.multiprocessing as tmp  # registers the tensor/storage reductions with ForkingPickler
 from multiprocessing.reduction import ForkingPickler
 
-from rollplex_train.rollout.base import StaleWeightsError
+from rollplex_train.versioning import StaleWeightsError, WeightsVersion  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
 SHARING_STRATEGY = "file_descriptor"
-UPDATING = -1
-"""Counter value while the trainer writes weights in place."""
 
 
 def use_sharing_strategy() -> None:
@@ -58,45 +56,6 @@ def use_sharing_strategy() -> None:
 def set_authkey(key: bytes) -> None:
     """Give this process the authkey of the process it exchanges CPU handles with (Ray actors)."""
     multiprocessing.current_process().authkey = key
-
-
-class WeightsVersion:
-    """A weights-version counter both processes see: one int64 in shared memory.
-
-    Args:
-        tensor: the shared counter (receiving side); None makes a new one at version 0.
-    """
-
-    def __init__(self, tensor: Optional[torch.Tensor] = None):
-        if tensor is None:
-            tensor = torch.zeros(1, dtype=torch.int64)
-            tensor.share_memory_()
-        self.tensor = tensor
-
-    def read(self) -> int:
-        return int(self.tensor.item())
-
-    def begin_update(self) -> None:
-        """Mark the weights as being written: every ``check`` fails until ``publish``."""
-        self.tensor.fill_(UPDATING)
-
-    def publish(self, version: int) -> None:
-        """Declare the shared weights to be ``version``.
-
-        Raises:
-            StaleWeightsError: ``version`` is not newer than the last published one.
-        """
-        current = self.read()
-        if current != UPDATING and version <= current:
-            raise StaleWeightsError(f"weights version {version} is not newer than the published {current}")
-        self.tensor.fill_(version)
-
-    def check(self, expected: int) -> None:
-        """Raises StaleWeightsError unless the shared weights are ``expected`` (and not in flux)."""
-        current = self.read()
-        if current != expected:
-            state = "being updated" if current == UPDATING else f"version {current}"
-            raise StaleWeightsError(f"rollout wants weights version {expected}, shared weights are {state}")
 
 
 def export_handles(tensors: dict[str, torch.Tensor], version: WeightsVersion) -> bytes:
@@ -138,6 +97,21 @@ class SharedWeights:
         """Drop every mapping held here; the memory goes once the sender drops it too."""
         self.tensors.clear()
         self.version = None  # type: ignore[assignment]
+
+
+def check_sync(shared: Optional[SharedWeights], current: int, version: int) -> SharedWeights:
+    """The checks of a rollout engine's ``sync_shared_weights(version)`` holding ``current``.
+
+    Raises:
+        RuntimeError: nothing is mapped yet. StaleWeightsError: ``version`` is not newer than
+            ``current``, or the shared counter is not ``version``.
+    """
+    if shared is None:
+        raise RuntimeError("sync_shared_weights before map_shared_weights")
+    if version <= current:
+        raise StaleWeightsError(f"weights version {version} is not newer than {current}")
+    shared.check(version)
+    return shared
 
 
 def import_handles(payload: bytes) -> SharedWeights:

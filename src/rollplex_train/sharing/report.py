@@ -18,6 +18,7 @@ from collections import Counter
 
 from rollplex_train.models.arch import load_hf_config, parameter_shapes
 from rollplex_train.models.layouts import Dims
+from rollplex_train.parallel import ParallelLayout
 from rollplex_train.sharing.plan import ACTIONS, plan_sharing
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ _REPEATED = re.compile(r"\.(layers|blocks)\.(\d+)\.")
 
 def layouts_of(config) -> tuple[str, str]:
     """``(training layout, rollout layout)`` of a ``Config`` (module docstring)."""
-    train = "hf" if config.actor.backend == "torch" and config.actor.tensor_parallel_size == 1 else "megatron"
-    rollout = "hf" if config.rollout.name == "builtin" and config.rollout.tensor_parallel_size == 1 else "sglang"
+    lay = ParallelLayout.from_config(config)
+    train = "hf" if config.actor.backend == "torch" and lay.train_tp == 1 else "megatron"
+    rollout = "hf" if config.rollout.name == "builtin" and lay.rollout_tp == 1 else "sglang"
     return train, rollout
 
 
@@ -45,21 +47,54 @@ def _template(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, tuple[int, 
     return kept, dict(counts)
 
 
-def share_totals(shapes, dims: Dims, *, t: int, r: int, train: str, rollout: str, split_qkv: bool,
-                 split_gate_up: bool, itemsize: int) -> Counter:
-    """Bytes per action (and ``remote``) over all devices for the full model; raises ValueError
-    when the layouts cannot split the model at (t, r)."""
+def device_totals(shapes, dims: Dims, *, t: int, r: int, train: str, rollout: str, split_qkv: bool,
+                  split_gate_up: bool, itemsize: int) -> list[Counter]:
+    """Bytes per action (and ``remote``) of the full model on each of the lcm(t, r) devices of the
+    plan (device d holds training rank d % t); raises ValueError when the layouts cannot split the
+    model at (t, r)."""
     kept, counts = _template(shapes)
     plan = plan_sharing(kept, dims, t=t, r=r, train_kind=train, rollout_kind=rollout, split_qkv=split_qkv,
                         split_gate_up=split_gate_up, itemsize=itemsize)
-    totals: Counter = Counter()
+    out = []
     for pair in plan.devices:
+        totals: Counter = Counter()
         for name, tp in plan.tensors[pair].items():
             m = _REPEATED.search(name)
             times = counts.get(m.group(1), 1) if m else 1
             totals[tp.action] += tp.nbytes * times
             totals["remote"] += tp.remote_bytes * times
-    return totals
+        out.append(totals)
+    return out
+
+
+def share_totals(shapes, dims: Dims, **kwargs) -> Counter:
+    """Bytes per action (and ``remote``) over all devices for the full model (``device_totals`` summed)."""
+    return sum(device_totals(shapes, dims, **kwargs), Counter())
+
+
+def configured_device_totals(config, hf_config) -> list[Counter]:
+    """``device_totals`` at the degrees of the config's :class:`~rollplex_train.parallel.ParallelLayout`
+    (``train_tp`` -> ``rollout_tp``), its layouts (``layouts_of``), ``sharing`` options and dtype.
+
+    Raises:
+        ValueError: the layouts cannot split the model at the configured degrees (names the keys).
+    """
+    lay = ParallelLayout.from_config(config)
+    train, rollout = layouts_of(config)
+    try:
+        return device_totals(parameter_shapes(hf_config), Dims.from_hf_config(hf_config), t=lay.train_tp,
+                             r=lay.rollout_tp, train=train, rollout=rollout, split_qkv=config.sharing.split_qkv,
+                             split_gate_up=config.sharing.split_gate_up, itemsize=ITEMSIZE[config.model.dtype])
+    except ValueError as err:
+        raise ValueError(f"actor.tensor_parallel_size={lay.train_tp}, rollout.tensor_parallel_size="
+                         f"{lay.rollout_tp}: cannot split {config.model.hf_config or config.model.path}: {err}") from err
+
+
+def rebuilt_bytes_per_device(per_device: list[Counter]) -> int:
+    """Device bytes of the rollout buffers a share plan rebuilds on one device: its ``local_rebuild``
+    and ``gather`` tensors (a persistent buffer each, refilled at every weight sync;
+    ``sharing/materialize.py``), the largest over the plan's devices. Views cost nothing."""
+    return max(c["local_rebuild"] + c["gather"] for c in per_device)
 
 
 def _pcts(totals: Counter) -> tuple[float, float, float, float]:
@@ -105,19 +140,21 @@ def report(config) -> str:
         for r in DEGREES:
             lines.append(f"{t:>2} {r:>2} | {_cell(shapes, dims, t, r, train, rollout, False, itemsize)} | "
                          f"{_cell(shapes, dims, t, r, train, rollout, True, itemsize)}")
-    t, r = config.actor.tensor_parallel_size, config.rollout.tensor_parallel_size
+    lay = ParallelLayout.from_config(config)
+    t, r = lay.train_tp, lay.rollout_tp
     opts = config.sharing
-    if config.actor.pipeline_parallel_size > 1:
-        lines.append(f"note: actor.pipeline_parallel_size={config.actor.pipeline_parallel_size}: the plan covers "
+    if lay.train_pp > 1:
+        lines.append(f"note: actor.pipeline_parallel_size={lay.train_pp}: the plan covers "
                      "TP only; layers of other pipeline stages are gathered")
-    try:
-        totals = share_totals(shapes, dims, t=t, r=r, train=train, rollout=rollout, split_qkv=opts.split_qkv,
-                              split_gate_up=opts.split_gate_up, itemsize=itemsize)
-    except ValueError as err:
-        raise ValueError(f"actor.tensor_parallel_size={t}, rollout.tensor_parallel_size={r}: "
-                         f"cannot split {config.model.hf_config or config.model.path}: {err}") from err
-    view, rebuild, gather, _ = _pcts(totals)
+    per_device = configured_device_totals(config, hf_config)
+    view, rebuild, gather, _ = _pcts(sum(per_device, Counter()))
+    rebuilt = rebuilt_bytes_per_device(per_device)
+    rollout_dev = max(sum(c[a] for a in ACTIONS) for c in per_device)
+    lines.append(f"layout: {lay.describe()}")
     lines.append(f"options: split_qkv={opts.split_qkv} split_gate_up={opts.split_gate_up} "
                  f"(sharing.enabled={opts.enabled})")
+    lines.append(f"rollout weights per device: {rollout_dev / 2**30:.2f} GiB, of which rebuilt into persistent "
+                 f"buffers (rebuild + gather): {rebuilt / 2**30:.2f} GiB "
+                 "(rollout_rebuilt in rollplex-plan memory)")
     lines.append(f"sharing: t={t} r={r} view={view:.1f}% rebuild={rebuild:.1f}% gather={gather:.1f}%")
     return "\n".join(lines)

@@ -18,16 +18,29 @@ from typing import Optional
 
 import torch
 
-from rollplex_train.algo.losses import agg_loss, batch_counts, kl_loss, policy_loss
+from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
+from rollplex_train.training.base import PrefixPasses
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
 from rollplex_train.training.base import TrainEngine, register_train_engine
 from rollplex_train.training.prefix_store import PrefixStore, StalePrefixError
 
 log = logging.getLogger(__name__)
+
+
+class HFPrefixPasses:
+    """The torch backend's :class:`PrefixPasses`: ``models.prefix`` over a transformers KV cache."""
+
+    def encode(self, model, prompts, *, version, with_grad: bool, freeze_vision: bool):
+        return encode_prefix(model, prompts, version=version, with_grad=with_grad, freeze_vision=freeze_vision)
+
+    def score(self, model, states, group_index, response_ids, response_mask, *, temperature: float,
+              with_entropy: bool):
+        return score_suffix(model, states, group_index, response_ids, response_mask, temperature=temperature,
+                            with_entropy=with_entropy)
 
 
 def _rows(batch: TrainBatch, rows: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
@@ -62,10 +75,17 @@ class TorchTrainEngine(TrainEngine):
         model: model section (checkpoint path, dtype, frozen vision tower).
         actor: optimizer and PPO settings. algorithm: KL settings.
         seed: seeds torch before the optimizer is built.
+        layout: the run's :class:`rollplex_train.parallel.ParallelLayout` (None: one process).
+        rank: this process's training rank; with DP > 1 torch.distributed is initialised over all
+            ranks before the engine is built (``training/parallelize.py``).
     """
 
-    def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1):
+    def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1,
+                 layout=None, rank: int = 0):
+        from rollplex_train.training.parallelize import parallelize_torch
+
         torch.manual_seed(seed)
+        self.rank = rank
         self.model_cfg, self.cfg, self.algo = model, actor, algorithm
         self.actor = load_model(model.path, model.dtype, model.attn_implementation)
         self.tokenizer = load_tokenizer(model.path)
@@ -76,10 +96,12 @@ class TorchTrainEngine(TrainEngine):
         if model.freeze_vision_tower:
             self.actor.model.visual.requires_grad_(False)
         self.params = [p for p in self.actor.parameters() if p.requires_grad]
+        self.dp = parallelize_torch(self.params, layout, rank)
         self.optimizer, self.scheduler = build_optimizer(self.params, actor)
         self.weights_version = 0
         self.param_version = 0  # optimizer steps taken by this process (keys actor prefix states)
         self.prefixes = PrefixStore(owner="train-worker")
+        self.prefix_passes: PrefixPasses = HFPrefixPasses()
         self._shared = None  # sharing.embedded.SharedActor once export_shared_weights() ran
         self._offloader = None  # memory.offload.ModuleOffloader on first offload_states()
 
@@ -98,30 +120,20 @@ class TorchTrainEngine(TrainEngine):
             self._encode(missing, store_role)
         states = [self.prefixes.take(p.uid, store_role, version) for p in prompts]
         local = torch.tensor([groups.index(g) for g in part["group_index"].tolist()], dtype=torch.long)
-        out = self._score_suffix(model, states, local, part, temperature, with_entropy)
+        out = self.prefix_passes.score(model, states, local, part["response_ids"], part["response_mask"],
+                           temperature=temperature, with_entropy=with_entropy)
         for p in prompts:  # the suffix pass was the last consumer (backward holds its own references)
             self.prefixes.release(p.uid, store_role, version)
         return part, out
 
-    # the model calls, one method each so that another model implementation (Megatron) swaps them
     def _score_full(self, model, prompts, part: dict, temperature: float, with_entropy: bool):
-        """(N, R) log-probs (and entropy) of ``part``'s responses from full-sequence forwards."""
+        """(N, R) log-probs (and entropy) of ``part``'s responses from full-sequence forwards (the
+        model call another backend replaces, as it replaces ``prefix_passes``)."""
         ids, mask, plen, vision = build_full_sequences(
             prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
         )
         return response_logprobs(model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
                                  temperature=temperature, with_entropy=with_entropy)
-
-    def _score_suffix(self, model, states, local: torch.Tensor, part: dict, temperature: float,
-                      with_entropy: bool):
-        """(N, R) log-probs (and entropy) of ``part``'s responses against prefix ``states``."""
-        return score_suffix(model, states, local, part["response_ids"], part["response_mask"],
-                            temperature=temperature, with_entropy=with_entropy)
-
-    def _encode_prefix(self, model, prompts, version, with_grad: bool):
-        """Prefix states of ``prompts`` (``models/prefix.py::encode_prefix``)."""
-        return encode_prefix(model, prompts, version=version, with_grad=with_grad,
-                             freeze_vision=self.model_cfg.freeze_vision_tower)
 
     def _clip_grad_norm(self, max_norm: float) -> float:
         """Global L2 norm of the actor's gradients; scales them to at most ``max_norm``."""
@@ -141,7 +153,8 @@ class TorchTrainEngine(TrainEngine):
         model = self.ref if store_role == "ref" else self.actor
         version = self._prefix_version(store_role)
         with torch.set_grad_enabled(store_role == "actor"):
-            for state in self._encode_prefix(model, prompts, version, with_grad=store_role == "actor"):
+            for state in self.prefix_passes.encode(model, prompts, version=version, with_grad=store_role == "actor",
+                                       freeze_vision=self.model_cfg.freeze_vision_tower):
                 self.prefixes.put(store_role, state)
 
     def precompute_prefixes(self, prompts, roles: list[str], weights_version: int) -> dict[str, float]:
@@ -223,16 +236,16 @@ class TorchTrainEngine(TrainEngine):
             raise ValueError("algorithm.use_kl_loss is on but batch.ref_logprobs is missing")
         num_prompts = len(batch.prompts)
         mini = self.cfg.ppo_mini_batch_size if self.cfg.ppo_mini_batch_size > 0 else num_prompts
+        specs = batch.plan_mini_batches(max(1, mini))
         sums: dict[str, float] = {}
         count = 0
         if self._shared is not None:  # in-place writes ahead: the rollout refuses until publish_weights
             self._shared.begin_update()
         self.actor.train()
         for _ in range(self.cfg.ppo_epochs):
-            for start in range(0, num_prompts, mini):
-                prompt_ids = set(range(start, min(start + mini, num_prompts)))
-                rows = torch.tensor([i for i, g in enumerate(batch.group_index.tolist()) if g in prompt_ids])
-                metrics = self._update_mini_batch(batch, rows, use_kl, temperature)
+            for spec in specs:
+                metrics = self._update_mini_batch(batch, batch.rows_of(spec.groups), use_kl, temperature,
+                                                  spec.num_tokens, spec.num_seqs)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
@@ -258,10 +271,11 @@ class TorchTrainEngine(TrainEngine):
             out.append(ids - {None})
         return out
 
-    def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool,
-                           temperature: float) -> dict[str, float]:
+    def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool, temperature: float,
+                           num_tokens: int, num_seqs: int) -> dict[str, float]:
+        """One optimizer step over this rank's ``rows`` of a mini-batch of ``num_tokens`` response
+        tokens in ``num_seqs`` responses over all DP ranks; gradients summed over the DP group."""
         cfg = self.cfg
-        num_tokens, num_seqs = batch_counts(batch.response_mask.index_select(0, rows))
         metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0,
                    "actor/kl_loss": 0.0, "actor/entropy": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
@@ -290,6 +304,8 @@ class TorchTrainEngine(TrainEngine):
                 loss = loss + self.algo.kl_coef * kl
             # a precomputed prefix graph shared with a later micro-batch must survive this backward
             loss.backward(retain_graph=bool(graphs[i] & set().union(*graphs[i + 1:])))
+        self.dp.all_reduce_grads()
+        metrics = self.dp.sum_metrics(metrics, tuple(metrics))  # each rank's share of the global means
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = self._clip_grad_norm(max_norm)
         if math.isfinite(grad_norm):
@@ -334,7 +350,7 @@ class TorchTrainEngine(TrainEngine):
         return self._shared.export()
 
     def publish_weights(self, version: int) -> dict[str, float]:
-        from rollplex_train.rollout.base import StaleWeightsError
+        from rollplex_train.versioning import StaleWeightsError
 
         if self._shared is None:
             raise RuntimeError("publish_weights before export_shared_weights")
@@ -348,6 +364,10 @@ class TorchTrainEngine(TrainEngine):
         return weights_digest(self.actor)
 
     def save_checkpoint(self, directory: Path) -> None:
+        """Rank 0 writes the actor and the optimizer (DP replicas are identical: written once;
+        resuming on another DP size loads the same files)."""
+        if self.rank != 0:
+            return
         directory = Path(directory)
         torch.save(self.actor.state_dict(), directory / "actor.pt")
         torch.save(

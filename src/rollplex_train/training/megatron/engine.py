@@ -32,12 +32,35 @@ from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.megatron_convert import gpt_key, is_language_model, layout_tensors, megatron_to_hf
 from rollplex_train.parallel import ParallelLayout
 from rollplex_train.training.base import register_train_engine
+from rollplex_train.training.parallelize import DataParallel
 from rollplex_train.training.megatron import scoring
 from rollplex_train.training.megatron.build import build_model, init_parallel
 from rollplex_train.training.prefix_store import PrefixStore
 from rollplex_train.training.torch_engine import TorchTrainEngine, build_optimizer
 
 log = logging.getLogger(__name__)
+
+
+class MegatronDataParallel(DataParallel):
+    """The torch loop's DP hook over Megatron DDP: ``all_reduce_grads`` finishes DDP's gradient
+    sync (a sum over the DP group: ``calculate_per_token_loss``; each rank's loss is normalised by
+    the mini-batch's global counts) and hands the main grads to the optimizer as ``.grad``;
+    ``sum_metrics`` as :class:`DataParallel` over the DP group.
+
+    Megatron DDP accumulates every backward into ``main_grad`` through per-parameter hooks, so the
+    several backward passes through one retained prefix graph (``model.shared_prefix``) are summed
+    as plain autograd does (``training/parallelize.py`` says why torch DDP cannot do that).
+    """
+
+    def __init__(self, ddp, params: list[torch.nn.Parameter], group):
+        super().__init__(params, group)
+        self.ddp = ddp
+
+    def all_reduce_grads(self) -> int:
+        self.ddp.finish_grad_sync()
+        for p in self.params:
+            p.grad = p.main_grad
+        return 0 if self.group is None else sum(p.main_grad.numel() * p.main_grad.element_size() for p in self.params)
 
 
 def _single_device_layout(actor: ActorConfig) -> ParallelLayout:
@@ -93,6 +116,9 @@ class MegatronTrainEngine(TorchTrainEngine):
         self.actor = built.model
         self.params = [p for p in self.actor.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.params, actor)
+        dp_group = ps.get_data_parallel_group() if self.layout.train_dp > 1 else None
+        self.dp = MegatronDataParallel(self.ddp, self.params, dp_group)
+        self.prefix_passes = scoring.MegatronPrefixPasses()
         self.weights_version = 0
         self.param_version = 0
         self.prefixes = PrefixStore(owner=f"megatron-rank{rank}")
@@ -105,29 +131,18 @@ class MegatronTrainEngine(TorchTrainEngine):
                                      self.pad_id, temperature=temperature, with_entropy=with_entropy,
                                      vision_grad=not self.model_cfg.freeze_vision_tower)
 
-    def _score_suffix(self, model, states, local: torch.Tensor, part: dict, temperature: float, with_entropy: bool):
-        return scoring.score_suffix(model, states, local, part["response_ids"], part["response_mask"],
-                                    temperature=temperature, with_entropy=with_entropy)
-
-    def _encode_prefix(self, model, prompts, version, with_grad: bool):
-        return scoring.encode_prefix(model, prompts, version=version, with_grad=with_grad,
-                                     freeze_vision=self.model_cfg.freeze_vision_tower)
-
     # ---- gradients -------------------------------------------------------------------------------
-    def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool, temperature: float):
+    def _update_mini_batch(self, *args, **kwargs):
         self.ddp.zero_grad_buffer()  # main grads accumulate over the mini-batch's micro-batches only
-        return super()._update_mini_batch(batch, rows, use_kl, temperature)
+        return super()._update_mini_batch(*args, **kwargs)
 
     def _clip_grad_norm(self, max_norm: float) -> float:
-        """Reduce the DDP main grads over DP (summed: ``calculate_per_token_loss``), hand them to the
-        optimizer as ``.grad`` and clip by the global norm over the TP group, counting replicated
-        tensors once (megatron-core ``optimizer/clip_grads.py::get_grad_norm_fp32`` with
+        """Clip by the global norm over the TP group, counting replicated tensors once
+        (megatron-core ``optimizer/clip_grads.py::get_grad_norm_fp32`` with
         ``param_is_not_tensor_parallel_duplicate``); the scale is torch's ``clip_grad_norm_``:
-        ``min(1, max_norm / (norm + 1e-6))``."""
-        self.ddp.finish_grad_sync()
+        ``min(1, max_norm / (norm + 1e-6))``. Runs after ``MegatronDataParallel.all_reduce_grads``."""
         squares = torch.zeros((), dtype=torch.float64)
         for p in self.params:
-            p.grad = p.main_grad
             if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
                 squares += p.grad.double().pow(2).sum()
         torch.distributed.all_reduce(squares, group=self.tp_group)

@@ -1,0 +1,251 @@
+"""Worker groups: the train ranks and the rollout engines of the run, split / fan out / gather.
+
+``TrainGroup`` owns one TrainWorker per device (training rank ``d`` on device ``d``); a DP rank's
+batch goes to every rank of its DP index (the TP/PP ranks of one model replica) and results are
+read from the replica's first rank. ``RolloutGroup`` owns one RolloutWorker per rollout engine
+(engine ``e`` spans devices ``e * rollout_tp ..``). A group's prompts go to the engines on the
+devices of the DP rank that will train on it. Calls return ``runtime.protocol.Pending`` results,
+so the schedules read the same on Ray and in one process (slime ``ray/actor_group.py``; verl's
+dispatch modes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+from rollplex_train.data.types import PromptSample, Response, TrainBatch, gather_rows
+from rollplex_train.runtime.protocol import ItemStream, Pending
+
+
+class StepPrompts:
+    """A step's prompts placed on the DP ranks, each rank's list put in the object store once.
+
+    Attributes:
+        rank_of_group: (P,) DP rank of each prompt. groups_of_dp: per DP rank, its global prompt
+            indices (ascending). refs: per DP rank, its prompt list (an object-store reference on
+            Ray, the list itself in process).
+    """
+
+    def __init__(self, executor, prompts: list[PromptSample], rank_of_group: list[int], dp_size: int):
+        self.prompts, self.rank_of_group = prompts, list(rank_of_group)
+        self.groups_of_dp = [[g for g, r in enumerate(rank_of_group) if r == dp] for dp in range(dp_size)]
+        self.refs = [executor.put([prompts[g] for g in groups]) for groups in self.groups_of_dp]
+
+    def local(self, dp: int, global_indices: list[int]) -> list[int]:
+        """Positions of ``global_indices`` in DP rank ``dp``'s list."""
+        where = {g: i for i, g in enumerate(self.groups_of_dp[dp])}
+        return [where[g] for g in global_indices]
+
+
+class TrainGroup:
+    """The training ranks.
+
+    Args:
+        executor: ``RayExecutor`` or ``InProcessExecutor``. handles: (world,) worker per rank.
+        layout: the run's ParallelLayout.
+    """
+
+    def __init__(self, executor, handles: list, layout):
+        self.ex, self.handles, self.layout = executor, handles, layout
+        self.leaders = layout.dp_leaders()
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.train_dp
+
+    def place(self, prompts: list[PromptSample], rank_of_group: list[int]) -> StepPrompts:
+        """The step's prompts on their DP ranks, each rank's list put in the object store once."""
+        return StepPrompts(self.ex, prompts, rank_of_group, self.dp_size)
+
+    def _replica(self, dp: int) -> list[int]:
+        """The ranks of DP index ``dp`` (one model replica)."""
+        return [r for r in range(self.layout.world_size) if self.layout.train_coords(r).dp == dp]
+
+    def _fan(self, method: str, per_dp_args: list[tuple], combine) -> Pending:
+        """Call ``method`` on every rank with its DP index's arguments; ``combine`` gets the
+        results of the DP leaders, in DP order."""
+        futures, leader_slots = [], []
+        for dp, args in enumerate(per_dp_args):
+            for rank in self._replica(dp):
+                if rank == self.leaders[dp]:
+                    leader_slots.append(len(futures))
+                futures.append(self.ex.call(self.handles[rank], method, *args))
+        return Pending(futures, lambda values: combine([values[i] for i in leader_slots]))
+
+    def _all(self, method: str, *args, combine=None) -> Pending:
+        """Call ``method(*args)`` on every rank; ``combine`` gets all results in rank order
+        (default: rank 0's)."""
+        futures = [self.ex.call(h, method, *args) for h in self.handles]
+        return Pending(futures, combine or (lambda values: values[0]))
+
+    # ---- step work ----------------------------------------------------------------------------
+    def parts(self, batch: TrainBatch, step: StepPrompts, groups_per_mini_batch: int) -> list[TrainBatch]:
+        """The whole batch cut into DP parts (whole groups, global mini-batch counts), each part's
+        prompts replaced by the step's object-store reference."""
+        parts = batch.split_by_rank(step.rank_of_group, self.dp_size, groups_per_mini_batch)
+        return [replace(p, prompts=ref) for p, ref in zip(parts, step.refs)]
+
+    def compute_log_probs(self, parts: list[TrainBatch], role: str, temperature: float,
+                          num_rows: int) -> Pending:
+        """(num_rows, R) float32 log-probs of the whole batch, gathered from the DP parts."""
+        return self._fan("compute_log_probs", [(p, role, temperature) for p in parts],
+                         lambda outs: gather_rows(parts, [o[0] for o in outs], num_rows))
+
+    def update_actor(self, parts: list[TrainBatch], temperature: float) -> Pending:
+        """One PPO update over the DP parts (gradients summed over DP in the engines); metrics of
+        the first replica (loss metrics are already global sums there)."""
+        return self._fan("update_actor", [(p, temperature) for p in parts], lambda outs: outs[0])
+
+    def precompute_prefixes(self, step: StepPrompts, groups: list[int], roles: list[str], version: int) -> Pending:
+        """Prefix tasks for the global prompt indices ``groups``, each on the DP rank that owns it
+        (ranks with none are skipped); result: ``[(dp, result dict of the replica's first rank)]``."""
+        futures, leaders = [], []
+        for dp in range(self.dp_size):
+            mine = [g for g in groups if step.rank_of_group[g] == dp]
+            if not mine:
+                continue
+            for r in self._replica(dp):
+                if r == self.leaders[dp]:
+                    leaders.append((dp, len(futures)))
+                futures.append(self.ex.call(self.handles[r], "precompute_prefixes", step.refs[dp], roles, version,
+                                            step.local(dp, mine)))
+        return Pending(futures, lambda values: [(dp, values[i]) for dp, i in leaders])
+
+    def set_threads(self, threads: int) -> Pending:
+        return self._all("set_threads", threads)
+
+    def offload_states(self, parts: tuple[str, ...]) -> Pending:
+        return self._all("offload_states", parts)
+
+    def prefetch_states(self, parts: tuple[str, ...]) -> Pending:
+        return self._all("prefetch_states", parts)
+
+    # ---- weights ------------------------------------------------------------------------------
+    def export_shared_weights(self) -> Pending:
+        """Per rank, the handles of its actor parameters (rank order)."""
+        return self._all("export_shared_weights", combine=list)
+
+    def publish_weights(self, version: int) -> Pending:
+        return self._all("publish_weights", version, combine=list)
+
+    def rollout_weights(self) -> Pending:
+        return self._all("rollout_weights", combine=list)
+
+    def weights_digest(self) -> dict[str, str]:
+        return self._all("weights_digest").result()
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str) -> None:
+        """Every rank writes what it owns (replicas: rank 0 only) into ``directory``."""
+        self._all("save_checkpoint", directory).result()
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Every rank loads; returns the weights version (equal on all ranks, checked)."""
+        versions = self._all("load_checkpoint", directory, combine=list).result()
+        assert len(set(versions)) == 1, versions
+        return versions[0]
+
+    def export_hf(self, directory: str) -> None:
+        """The actor as a HF checkpoint directory (written by rank 0; others take part in gathers)."""
+        self._all("export_hf", directory).result()
+
+
+class RolloutGroup:
+    """The rollout engines.
+
+    Args:
+        executor, handles: (rollout_dp,) worker per engine. layout: the run's ParallelLayout.
+    """
+
+    def __init__(self, executor, handles: list, layout):
+        self.ex, self.handles, self.layout = executor, handles, layout
+
+    def engines_of_dp(self, dp: int) -> list[int]:
+        """The rollout engines on the devices of DP rank ``dp``'s replica."""
+        ranks = [r for r in range(self.layout.world_size) if self.layout.train_coords(r).dp == dp]
+        return sorted({self.layout.rollout_engine_of(r) for r in ranks})
+
+    def split(self, step: StepPrompts) -> list[tuple[int, int, list[int]]]:
+        """``[(engine, dp, global prompt indices)]``: a DP rank's groups are dealt in turn over the
+        engines of its devices (one call per engine and DP rank)."""
+        calls: dict[tuple[int, int], list[int]] = {}
+        for dp, groups in enumerate(step.groups_of_dp):
+            engines = self.engines_of_dp(dp)
+            for k, g in enumerate(groups):
+                calls.setdefault((engines[k % len(engines)], dp), []).append(g)
+        return [(e, dp, idx) for (e, dp), idx in sorted(calls.items())]
+
+    def generate(self, step: StepPrompts, params, version: Optional[int]) -> Pending:
+        """All responses, grouped by prompt in global order (``prompt_index`` global)."""
+        calls = [(e, idx) for e, _, idx in self.split(step)]
+        futures = [self.ex.call(self.handles[e], "generate", step.refs[dp], params, version, step.local(dp, idx))
+                   for e, dp, idx in self.split(step)]
+
+        def combine(outs: list[list[Response]]) -> list[Response]:
+            merged = [_globalised(r, idx) for (_, idx), rs in zip(calls, outs) for r in rs]
+            return sorted(merged, key=lambda r: r.prompt_index)  # stable: a group keeps its order
+
+        return Pending(futures, combine)
+
+    def generate_stream(self, step: StepPrompts, params, version: Optional[int]) -> "ResponseStream":
+        """Whole finished groups as the engines yield them (``ResponseStream``)."""
+        calls = self.split(step)
+        stream = ItemStream(len(calls))
+        for e, dp, idx in calls:
+            self.ex.stream(self.handles[e], "generate_stream", (step.refs[dp], params, version, step.local(dp, idx)),
+                           stream, tag=tuple(idx))
+        return ResponseStream(stream)
+
+    def set_threads(self, threads: int) -> Pending:
+        """A share change that reaches engines while they decode (applied at their next step)."""
+        return Pending([self.ex.call(h, "set_threads", threads, concurrent=True) for h in self.handles])
+
+    def decode_stats(self) -> dict[int, tuple[float, int]]:
+        """The slowest engine's ``{threads: (seconds, steps)}`` of the last generate (the decode
+        window ends when it does)."""
+        stats = Pending([self.ex.call(h, "decode_stats") for h in self.handles]).result()
+        return max(stats, key=lambda s: sum(sec for sec, _ in s.values()), default={})
+
+    def map_shared_weights(self, payloads: list[bytes]) -> list[int]:
+        """Engine ``e`` maps the weights of the train rank on its first device."""
+        futures = [self.ex.call(h, "map_shared_weights", payloads[self.layout.rollout_devices(e)[0]])
+                   for e, h in enumerate(self.handles)]
+        return Pending(futures).result()
+
+    def sync_shared_weights(self, version: int, published: list[dict]) -> dict[str, float]:
+        futures = [self.ex.call(h, "sync_shared_weights", version, published[self.layout.rollout_devices(e)[0]])
+                   for e, h in enumerate(self.handles)]
+        return Pending(futures).result()[0]
+
+    def update_weights(self, state_dicts: list[dict], version: int) -> dict[str, float]:
+        """The pickled path: engine ``e`` copies the state dict of its first device's rank."""
+        futures = [self.ex.call(h, "update_weights", state_dicts[self.layout.rollout_devices(e)[0]], version)
+                   for e, h in enumerate(self.handles)]
+        return Pending(futures).result()[0]
+
+    def weights_digest(self) -> dict[str, str]:
+        return self.ex.call(self.handles[0], "weights_digest").result()
+
+
+def _globalised(r: Response, indices: list[int]) -> Response:
+    """``r`` with its engine-local prompt index mapped to the step's global one."""
+    return replace(r, prompt_index=indices[r.prompt_index])
+
+
+class ResponseStream:
+    """Responses of whole groups as they finish, with global prompt indices."""
+
+    def __init__(self, items: ItemStream):
+        self.items = items
+
+    def next_future(self):
+        return self.items.next_future()
+
+    def take(self) -> list[Response]:
+        """The responses that arrived since the last call (possibly none)."""
+        return [_globalised(r, list(idx)) for idx, batch in self.items.take() for r in batch]
+
+    @property
+    def finished(self) -> bool:
+        return self.items.finished

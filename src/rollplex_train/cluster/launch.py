@@ -1,0 +1,99 @@
+"""Start the run's workers: the executor, the placement, the train ranks and rollout engines.
+
+``create_workers(cfg, output_dir)`` is the one entry point the trainer calls: with
+``cluster.executor=ray`` it starts (or attaches to) Ray, places one bundle per device
+(``cluster/placement.py``), hands the training ranks a torch.distributed rendezvous on rank 0's
+node and builds the two groups; with ``inprocess`` the same groups hold engines in the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rollplex_train.cluster.groups import RolloutGroup, TrainGroup
+from rollplex_train.config import Config
+from rollplex_train.parallel import ParallelLayout
+from rollplex_train.runtime.protocol import get_all
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Workers:
+    """The run's worker groups.
+
+    Attributes:
+        rollout: the rollout engines. train: the training ranks. layout: the run's layout.
+        threads: torch threads of one device (the unit of the CPU device share).
+    """
+
+    rollout: RolloutGroup
+    train: TrainGroup
+    layout: ParallelLayout
+    threads: int
+    executor: object
+
+    def halves(self) -> tuple[int, int]:
+        """(rollout, train) threads when the two share a device's cores side by side."""
+        return max(1, (self.threads + 1) // 2), max(1, self.threads // 2)
+
+    def share_threads(self, rollout: int, train: int) -> None:
+        """Give every device's workers their thread counts for the coming phase."""
+        get_all([self.rollout.set_threads(rollout), self.train.set_threads(train)])
+
+    def shutdown(self) -> None:
+        """Stop the workers and free their placement (the in-process threads are joined)."""
+        self.executor.shutdown(self.rollout.handles + self.train.handles)
+
+
+def create_workers(cfg: Config, output_dir: Path) -> Workers:
+    """Build and wait for every worker of the run (engines loaded, process groups joined).
+
+    With ``sharing.enabled`` all workers get one fresh random multiprocessing authkey: the
+    shared-memory handles of the weights are fetched from a train worker over a connection that
+    checks it.
+
+    Raises:
+        TimeoutError: the Ray cluster cannot hold the devices.
+    """
+    from rollplex_train.cluster.workers import RolloutWorker, TrainWorker
+
+    layout = ParallelLayout.from_config(cfg)
+    threads = layout.threads_per_device
+    authkey = os.urandom(32) if cfg.sharing.enabled else None
+    if cfg.cluster.executor == "inprocess":
+        from rollplex_train.cluster.executors import InProcessExecutor
+
+        executor, address = InProcessExecutor(), None
+    else:
+        import ray
+
+        from rollplex_train.cluster.executors import RayExecutor, free_port_and_ip
+        from rollplex_train.cluster.placement import create_device_placement
+        from rollplex_train.cluster.ray_cluster import start_ray
+
+        start_ray(cfg, output_dir)
+        placement = create_device_placement(layout, timeout_s=300.0)
+        executor = RayExecutor(placement)
+        address = None
+        if layout.world_size > 1:  # rendezvous on rank 0's node
+            probe = ray.remote(free_port_and_ip).options(**placement.actor_options(0, 0))
+            address = ray.get(probe.remote())
+    gpu = 0.5 if layout.device == "cuda" else 0.0
+    train = [executor.spawn(TrainWorker, (cfg.actor.backend, cfg.model, cfg.actor, cfg.algorithm, cfg.trainer.seed,
+                                          threads, authkey, layout, rank, address), rank, gpu)
+             for rank in range(layout.world_size)]
+    # concurrency 2: a share change (set_threads) reaches the rollout worker while it decodes
+    rollout = [executor.spawn(RolloutWorker, (cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size,
+                                              authkey), layout.rollout_devices(e)[0], gpu, concurrency=2)
+               for e in range(layout.rollout_dp)]
+    workers = Workers(rollout=RolloutGroup(executor, rollout, layout), train=TrainGroup(executor, train, layout),
+                      layout=layout, threads=threads, executor=executor)
+    from rollplex_train.runtime.protocol import Pending
+
+    Pending([executor.call(h, "weights_version") for h in train + rollout]).result()  # every engine built
+    log.info("workers up: %s (%s executor)", layout.describe(), executor.kind)
+    return workers

@@ -1,0 +1,92 @@
+"""Parallelism for the torch backend, applied outside model code (torchtitan's
+``models/llama3/infra/parallelize.py`` shape: one function takes the model and the layout).
+
+The torch backend is data parallel only (``actor.tensor_parallel_size`` and
+``pipeline_parallel_size`` > 1 need the Megatron backend). Each DP rank holds a full replica and,
+after the micro-batches of a mini-batch, the ranks sum their gradients with one flattened
+all-reduce (what DDP's reducer does at the end of a backward, without its per-bucket hooks).
+
+Why not DDP or FSDP2 here: with ``model.shared_prefix`` a prefix graph computed once (in the decode
+window) is back-propagated through by several micro-batches' backward passes
+(``retain_graph``), and the last mini-batch's prefix may be built before the first optimizer step;
+DDP's reducer expects exactly one backward per forward of the wrapped module and FSDP2 reshards
+parameters after each forward/backward, which the retained prefix graphs outlive. Summing gradients
+explicitly keeps the prefix/suffix decomposition exact and works on gloo (CPU) and NCCL (GPU)
+alike. Losses are normalised by the mini-batch's global token/sequence counts
+(``data.types.MiniBatchSpec``), so the summed gradient equals the single-process one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class DataParallel:
+    """Gradient and metric sums over a data-parallel group.
+
+    Args:
+        params: the trainable parameters, in the same order on every rank.
+        group: the torch.distributed process group of the DP ranks (None: a single rank, every
+            call is a no-op).
+
+    Raises:
+        ValueError: ``group`` is given but torch.distributed is not initialised.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], group: Optional[object] = None):
+        self.params = params
+        self.group = group
+        if group is not None and not torch.distributed.is_initialized():
+            raise ValueError("data parallelism needs torch.distributed to be initialised first")
+
+    @property
+    def size(self) -> int:
+        """DP ranks in the group (1 without one)."""
+        return 1 if self.group is None else torch.distributed.get_world_size(self.group)
+
+    def all_reduce_grads(self) -> int:
+        """Sum every parameter's ``.grad`` over the group in place (a missing grad counts as
+        zeros, so a rank with no responses in a mini-batch still takes part). Returns the bytes
+        reduced (0 without a group)."""
+        if self.group is None:
+            return 0
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        offset = 0
+        for p, g in zip(self.params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone() if p.grad is None else p.grad.copy_(
+                flat[offset : offset + n].view_as(p))
+            offset += n
+        return flat.numel() * flat.element_size()
+
+    def sum_metrics(self, metrics: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
+        """``metrics`` with the values of ``keys`` summed over the group (the others unchanged);
+        every rank gets the same result."""
+        if self.group is None or not keys:
+            return metrics
+        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.SUM, group=self.group)
+        return {**metrics, **{k: float(v) for k, v in zip(keys, values.tolist())}}
+
+
+def parallelize_torch(params: list[torch.nn.Parameter], layout, rank: int) -> DataParallel:
+    """Apply the layout's data parallelism to a replicated torch model.
+
+    Args:
+        params: trainable parameters. layout: :class:`rollplex_train.parallel.ParallelLayout`
+            (or None for a single process). rank: this process's training rank.
+
+    Raises:
+        ValueError: the layout asks for TP or PP, which the torch backend does not implement.
+    """
+    if layout is None or layout.train_dp == 1:
+        return DataParallel(params, None)
+    if layout.train_tp > 1 or layout.train_pp > 1:
+        raise ValueError(f"actor.backend=torch is data parallel only: actor.tensor_parallel_size={layout.train_tp}, "
+                         f"actor.pipeline_parallel_size={layout.train_pp} need actor.backend=megatron")
+    assert torch.distributed.get_world_size() == layout.train_dp, "torch backend: every device is a DP rank"
+    return DataParallel(params, torch.distributed.group.WORLD)

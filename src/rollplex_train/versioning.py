@@ -1,0 +1,60 @@
+"""The weights version: the synchronous on-policy check shared by trainer, rollout and sharing.
+
+Every rollout request, prefix task and weight hand-over carries the weights version it was made
+for; an engine holding another version refuses it with :class:`StaleWeightsError`. When weights
+are shared in memory, :class:`WeightsVersion` is the counter both processes see. This module
+depends on nothing of the project, so ``rollout/``, ``training/`` and ``sharing/`` all import it
+without importing each other.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+UPDATING = -1
+"""Counter value while the trainer writes weights in place."""
+
+
+class StaleWeightsError(RuntimeError):
+    """A request or weight update carries a weights version other than the engine's."""
+
+
+class WeightsVersion:
+    """A weights-version counter both processes see: one int64 in shared memory.
+
+    Args:
+        tensor: the shared counter (receiving side); None makes a new one at version 0.
+    """
+
+    def __init__(self, tensor: Optional[torch.Tensor] = None):
+        if tensor is None:
+            tensor = torch.zeros(1, dtype=torch.int64)
+            tensor.share_memory_()
+        self.tensor = tensor
+
+    def read(self) -> int:
+        return int(self.tensor.item())
+
+    def begin_update(self) -> None:
+        """Mark the weights as being written: every ``check`` fails until ``publish``."""
+        self.tensor.fill_(UPDATING)
+
+    def publish(self, version: int) -> None:
+        """Declare the shared weights to be ``version``.
+
+        Raises:
+            StaleWeightsError: ``version`` is not newer than the last published one.
+        """
+        current = self.read()
+        if current != UPDATING and version <= current:
+            raise StaleWeightsError(f"weights version {version} is not newer than the published {current}")
+        self.tensor.fill_(version)
+
+    def check(self, expected: int) -> None:
+        """Raises StaleWeightsError unless the shared weights are ``expected`` (and not in flux)."""
+        current = self.read()
+        if current != expected:
+            state = "being updated" if current == UPDATING else f"version {current}"
+            raise StaleWeightsError(f"rollout wants weights version {expected}, shared weights are {state}")
