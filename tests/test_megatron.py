@@ -173,6 +173,16 @@ def test_cpu_patches_refuse_a_cuda_machine(monkeypatch):
         cpu_patches.apply_cpu_patches()
 
 
+def test_settings_the_engine_cannot_honour_are_named():
+    from rollplex_train.config import Config, MemoryConfig, SharingConfig
+    from rollplex_train.training.megatron.engine import MegatronTrainEngine
+
+    with pytest.raises(ValueError, match="sharing.enabled=false"):
+        MegatronTrainEngine.check_available(Config(actor=ActorConfig(backend="megatron")))
+    MegatronTrainEngine.check_available(Config(actor=ActorConfig(backend="megatron"),
+                                               sharing=SharingConfig(enabled=False), memory=MemoryConfig()))
+
+
 def test_tp_without_layout_is_refused(tiny_ckpt_qwen25):
     from rollplex_train.training.megatron.engine import MegatronTrainEngine
 

@@ -58,10 +58,3 @@ def test_megatron_resume_after_kill_matches_uninterrupted(runs, run_cli, tmp_pat
     assert len(compared) > 20
     for key in compared:
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
-
-
-def test_megatron_with_weight_sharing_is_refused_before_ray(run_cli, tmp_path):
-    proc = run_cli(tmp_path / "run", "actor.backend=megatron")  # sharing.enabled defaults to true
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "actor.backend=megatron" in proc.stderr and "sharing.enabled=false" in proc.stderr
-    assert not (tmp_path / "run" / "ray").exists()

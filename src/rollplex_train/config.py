@@ -429,9 +429,6 @@ class Config:
                              "runs on one device (TP needs rollout.name=sglang)")
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
-        if self.actor.backend == "megatron" and (self.sharing.enabled or self.memory.offload_optimizer):
-            raise ValueError("actor.backend=megatron shares no weights in place and offloads nothing yet: set "
-                             "sharing.enabled=false and memory.offload_optimizer=false")
         mini = self.actor.ppo_mini_batch_size
         if mini > 0 and self.data.rollout_batch_size % mini != 0:
             raise ValueError(

@@ -125,6 +125,18 @@ class MegatronTrainEngine(TorchTrainEngine):
         self._shared = None
         self._offloader = None
 
+    @staticmethod
+    def check_available(cfg) -> None:
+        """The settings of a run ``Config`` this engine cannot honour, for the driver to call before
+        Ray starts (as it calls a rollout engine's ``check_available``).
+
+        Raises:
+            ValueError: ``sharing.enabled=true`` or ``memory.offload_optimizer=true`` (named).
+        """
+        if cfg.sharing.enabled or cfg.memory.offload_optimizer:
+            raise ValueError("actor.backend=megatron shares no weights in place and offloads nothing yet: set "
+                             "sharing.enabled=false and memory.offload_optimizer=false")
+
     # ---- model calls (the torch backend's loop calls these) -------------------------------------
     def _score_full(self, model, prompts, part: dict, temperature: float, with_entropy: bool):
         return scoring.full_logprobs(model, prompts, part["group_index"], part["response_ids"], part["response_mask"],
