@@ -91,6 +91,9 @@ class DataConfig:
     video_max_frames: int = 8
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 56 * 56
+    resume_on_changed_data: bool = False
+    """Resuming a checkpoint saved on other train data (another file fingerprint): false refuses to
+    start; true warns and restarts the checkpoint's epoch from its beginning on the new data."""
 
     def __post_init__(self) -> None:
         if not self.train_files:
@@ -195,6 +198,9 @@ class ActorConfig:
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     """PPO ratio clip range [1 - low, 1 + high] (DAPO's clip-higher when high > low)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip PPO (Ye et al. 2020; verl ``actor.clip_ratio_c``): the loss of a token with a negative
+    advantage A is at most ``-A * clip_ratio_c``; must be > 1."""
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     tensor_parallel_size: int = 1
@@ -208,6 +214,8 @@ class ActorConfig:
         _check_positive("actor", "ppo_epochs", self.ppo_epochs)
         _check_positive("actor", "clip_ratio_low", self.clip_ratio_low, allow_zero=True)
         _check_positive("actor", "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
+        if not self.clip_ratio_c > 1.0:
+            raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c}: expected a number > 1 (dual-clip PPO)")
         _check_choice("actor", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_positive("actor", "tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("actor", "pipeline_parallel_size", self.pipeline_parallel_size)
@@ -226,10 +234,15 @@ class RewardConfig:
     ``path/to/file.py:fn`` with ``fn(response: str, ground_truth: str, **kwargs) -> float``."""
     format_weight: float = 0.0
     """Score = (1 - w) * accuracy + w * format (EasyR1's r1v reward)."""
+    on_failure: str = "exclude"
+    """A response whose reward function raised or returned None/NaN/a non-number: ``exclude`` (advantage
+    0, left out of its group's mean and std) or ``zero`` (scored 0 and kept in the group's baseline,
+    i.e. trained as a wrong answer). Counted in ``reward/failed`` either way."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.format_weight <= 1.0:
             raise ValueError(f"reward.format_weight={self.format_weight}: expected 0 <= w <= 1")
+        _check_choice("reward", "on_failure", self.on_failure, ("exclude", "zero"))
 
 
 @dataclass(kw_only=True)

@@ -25,7 +25,8 @@ from rollplex_train.algo.rewards import RewardManager
 from rollplex_train.rollout.base import ROLLOUT_ENGINES
 from rollplex_train.training.base import TRAIN_ENGINES
 from rollplex_train.config import Config
-from rollplex_train.data.dataset import PromptDataset, PromptLoader
+from rollplex_train.data.dataset import PromptDataset
+from rollplex_train.data.loader import PromptLoader
 from rollplex_train.models.loading import check_checkpoint_dir, load_tokenizer, load_vision_spec
 from rollplex_train.tracking.checkpoint import CheckpointManager, load_json, save_json
 from rollplex_train.tracking.loggers import Tracker
@@ -80,6 +81,9 @@ class Trainer:
         if self.resume_from is not None and not (Path(self.resume_from) / "trainer_state.json").is_file():
             raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume!r}: {self.resume_from} is not a "
                                     "rollplex checkpoint (no trainer_state.json)")
+        if self.resume_from is not None:  # a loader position on other data is refused before Ray starts
+            self.loader.check_state(load_json(Path(self.resume_from) / "trainer_state.json")["loader"],
+                                    cfg.data.resume_on_changed_data)
         self.step = 0
         self.schedule = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +185,7 @@ class Trainer:
             return None
         state = load_json(Path(path) / "trainer_state.json")
         version = self.schedule.workers.train.load_checkpoint(str(path))
-        self.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict(state["loader"], self.cfg.data.resume_on_changed_data)
         self.schedule.load_state_dict(state.get("schedule", {}))
         self.step = int(state["step"])
         if version > 0:

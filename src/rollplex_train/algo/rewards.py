@@ -283,7 +283,18 @@ class RewardManager:
         uids: list[str],
         options: Optional[list[list[str]]] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Score N responses.
+        """Score N responses: ``(scores, metrics)`` of :meth:`score_with_failures` (failures score 0)."""
+        scores, _, metrics = self.score_with_failures(responses, ground_truths, uids, options)
+        return scores, metrics
+
+    def score_with_failures(
+        self,
+        responses: list[str],
+        ground_truths: list[str],
+        uids: list[str],
+        options: Optional[list[list[str]]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Score N responses and say which ones the reward function failed on.
 
         Args:
             responses: N decoded response texts.
@@ -292,10 +303,11 @@ class RewardManager:
             options: N lists of choices (empty for open questions); None: no options anywhere.
 
         Returns:
-            ``(scores, metrics)``: (N,) float32 scores and floats ``reward/accuracy`` (mean accuracy,
-            failures as 0), ``reward/format`` (mean format score), ``reward/failed`` (number of
-            samples whose function raised or returned NaN/inf/non-number; they score 0 accuracy)
-            and ``reward/score`` (mean score).
+            ``(scores, failed, metrics)``: (N,) float32 scores, (N,) bool ``failed`` (the function
+            raised or returned None/NaN/inf/a non-number; those score 0 accuracy here, and
+            ``reward.on_failure`` decides downstream whether they stay in their group's baseline),
+            and floats ``reward/accuracy`` (mean accuracy, failures as 0), ``reward/format`` (mean
+            format score), ``reward/failed`` (number of failed samples) and ``reward/score`` (mean score).
 
         Raises:
             ValueError: the lists have different lengths.
@@ -307,10 +319,10 @@ class RewardManager:
                 f"score: {num} responses, {len(ground_truths)} ground truths, {len(uids)} uids, "
                 f"{len(options)} option lists: expected equal lengths"
             )
-        accuracy, formats, failed = [], [], 0
+        accuracy, formats, failed = [], [], []
         for response, truth, uid, opts in zip(responses, ground_truths, uids, options):
             acc = self._accuracy(response, truth, list(opts), uid)
-            failed += acc is None
+            failed.append(acc is None)
             accuracy.append(0.0 if acc is None else acc)
             formats.append(format_reward(response))
         acc_t = torch.tensor(accuracy, dtype=torch.float32)
@@ -320,7 +332,7 @@ class RewardManager:
         metrics = {
             "reward/accuracy": _mean(acc_t),
             "reward/format": _mean(fmt_t),
-            "reward/failed": float(failed),
+            "reward/failed": float(sum(failed)),
             "reward/score": _mean(scores),
         }
-        return scores, metrics
+        return scores, torch.tensor(failed, dtype=torch.bool), metrics

@@ -142,6 +142,7 @@ class TrainBatch:
             single-process case).
         source_rows: (N,) int64 row of each response in the step's whole batch, for a data-parallel
             rank's part (None: this is the whole batch).
+        reward_failed: (N,) bool, the reward function failed on the response (None: not scored).
     """
 
     prompts: list[PromptSample]
@@ -154,6 +155,7 @@ class TrainBatch:
     rollout_logprobs: Optional[torch.Tensor] = None
     mini_batches: Optional[list[MiniBatchSpec]] = None
     source_rows: Optional[torch.Tensor] = None
+    reward_failed: Optional[torch.Tensor] = None
 
     @property
     def num_responses(self) -> int:
@@ -221,6 +223,7 @@ class TrainBatch:
             old_logprobs=take(self.old_logprobs),
             ref_logprobs=take(self.ref_logprobs),
             rollout_logprobs=take(self.rollout_logprobs),
+            reward_failed=take(self.reward_failed),
         )
 
 

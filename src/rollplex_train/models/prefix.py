@@ -25,7 +25,13 @@ from typing import Optional, Union
 import torch
 
 from rollplex_train.data.types import PromptSample, VisionInputs
-from rollplex_train.models.sequence import logprobs_from_hidden, pad_prompts, prompt_columns, rope_positions
+from rollplex_train.models.sequence import (
+    embed_with_vision,
+    logprobs_from_hidden,
+    pad_prompts,
+    prompt_columns,
+    rope_positions,
+)
 
 
 _GRAPH_IDS = itertools.count()
@@ -86,37 +92,6 @@ class _SavedBytes:
     @staticmethod
     def unpack(t):
         return t
-
-
-def embed_with_vision(model, input_ids: torch.Tensor, vision: VisionInputs, vision_grad: bool,
-                      embed_tokens=None) -> torch.Tensor:
-    """Token embeddings with the vision features scattered into the placeholder slots.
-
-    Args:
-        input_ids: (P, Lp) int64 padded prompts. vision: their vision inputs, concatenated.
-        vision_grad: build the vision tower's graph (False: frozen tower, features without grad).
-        embed_tokens: the token embedding module (None: the HF model's input embeddings; the
-            Megatron backend passes its vocab-parallel ``word_embeddings``).
-
-    Returns:
-        (P, Lp, H) input embeddings.
-    """
-    inner = model.model
-    embeds = (embed_tokens if embed_tokens is not None else inner.get_input_embeddings())(input_ids)
-    cfg = model.config
-    for pixels, grid, token_id, encode in (
-        (vision.pixel_values, vision.image_grid_thw, cfg.image_token_id, inner.get_image_features),
-        (vision.pixel_values_videos, vision.video_grid_thw, cfg.video_token_id, inner.get_video_features),
-    ):
-        if pixels is None:
-            continue
-        with torch.set_grad_enabled(vision_grad and torch.is_grad_enabled()):
-            feats = torch.cat(encode(pixels, grid, return_dict=True).pooler_output, dim=0)
-        slots = (input_ids == token_id).unsqueeze(-1)
-        if int(slots.sum()) != feats.shape[0]:
-            raise ValueError(f"{int(slots.sum())} placeholder tokens but {feats.shape[0]} vision features")
-        embeds = embeds.masked_scatter(slots, feats.to(embeds.dtype))
-    return embeds
 
 
 def encode_prefix(

@@ -276,8 +276,8 @@ class TorchTrainEngine(TrainEngine):
         """One optimizer step over this rank's ``rows`` of a mini-batch of ``num_tokens`` response
         tokens in ``num_seqs`` responses over all DP ranks; gradients summed over the DP group."""
         cfg = self.cfg
-        metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0,
-                   "actor/kl_loss": 0.0, "actor/entropy": 0.0}
+        metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/pg_clipfrac_lower": 0.0,
+                   "actor/ppo_kl": 0.0, "actor/kl_loss": 0.0, "actor/entropy": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
         micros = self._micro_batches(batch, rows)
         graphs = self._held_actor_graphs(batch, micros)
@@ -287,11 +287,12 @@ class TorchTrainEngine(TrainEngine):
             weight = float(mask.sum()) / max(num_tokens, 1)  # token share of this micro-batch
             loss, pg = policy_loss(
                 logp, part["old_logprobs"], part["advantages"], mask,
-                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
             )
             metrics["actor/pg_loss"] += float(loss.detach())
             metrics["actor/pg_clipfrac"] += pg["actor/pg_clipfrac"] * weight
+            metrics["actor/pg_clipfrac_lower"] += pg["actor/pg_clipfrac_lower"] * weight
             metrics["actor/ppo_kl"] += pg["actor/ppo_kl"] * weight
             entropy = agg_loss(ent, mask, cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
             metrics["actor/entropy"] += float(entropy.detach())

@@ -183,12 +183,13 @@ class MegatronVLM(torch.nn.Module):
         """The HF inner model (``get_rope_index``, ``get_image_features``) without its language model."""
         return self.hf.model
 
-    def embed(self, input_ids: torch.Tensor, vision, vision_grad: bool) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, vision, vision_grad: bool, vision_mask=None) -> torch.Tensor:
         """``[S, B, H]`` decoder input: vocab-parallel token embeddings with the vision features
-        scattered into the placeholder slots (``models/prefix.py::embed_with_vision``)."""
-        from rollplex_train.models.prefix import embed_with_vision
+        scattered into the placeholder slots (``models/sequence.py::embed_with_vision``; only
+        ``vision_mask`` tokens, the prompt's, may be slots)."""
+        from rollplex_train.models.sequence import embed_with_vision
 
-        embeds = embed_with_vision(self, input_ids, vision, vision_grad,
+        embeds = embed_with_vision(self, input_ids, vision, vision_grad, vision_mask=vision_mask,
                                    embed_tokens=self.language_model.embedding.word_embeddings)
         return embeds.transpose(0, 1).contiguous()
 

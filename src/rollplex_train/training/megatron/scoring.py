@@ -83,7 +83,8 @@ def full_logprobs(model: MegatronVLM, prompts: list[PromptSample], group_index: 
         logprobs (N, R) float32 and optional entropy (N, R) float32, zero outside the mask.
     """
     ids, mask, plen, vision = build_full_sequences(prompts, group_index, response_ids, response_mask, pad_id)
-    hidden = forward_hidden(model, ids, mask, vision, vision_grad)  # (N, L, H)
+    prompt_mask = torch.arange(ids.shape[1]).view(1, -1) < plen.view(-1, 1)  # response tokens are text
+    hidden = forward_hidden(model, ids, mask, vision, vision_grad, prompt_mask)  # (N, L, H)
     r = response_ids.shape[1]
     idx = (plen.view(-1, 1) - 1 + torch.arange(r).view(1, -1)).clamp(max=hidden.shape[1] - 1)
     h_sel = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
@@ -91,10 +92,11 @@ def full_logprobs(model: MegatronVLM, prompts: list[PromptSample], group_index: 
 
 
 def forward_hidden(model: MegatronVLM, ids: torch.Tensor, mask: torch.Tensor, vision: VisionInputs,
-                   vision_grad: bool = True) -> torch.Tensor:
-    """(B, S, H) final hidden states of padded sequences (left or right padding)."""
-    position_ids, _ = rope_positions(model, ids, mask, vision)
-    decoder_input = model.embed(ids, vision, vision_grad)
+                   vision_grad: bool = True, vision_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(B, S, H) final hidden states of padded sequences (left or right padding); ``vision_mask``:
+    the tokens that may be vision slots (None: all)."""
+    position_ids, _ = rope_positions(model, ids, mask, vision, vision_mask)
+    decoder_input = model.embed(ids, vision, vision_grad, vision_mask)
     return model.decode(decoder_input, position_ids, causal_padding_mask(mask)).transpose(0, 1)
 
 
