@@ -183,7 +183,8 @@ class ActorConfig:
     """Actor update (and the frozen reference held by the same training worker)."""
 
     backend: str = "torch"
-    """Registered training engine: ``torch`` (CPU/GPU); a Megatron adapter is planned."""
+    """Registered training engine: ``torch`` (CPU/GPU) or ``megatron`` (megatron-core, TP actor and
+    reference; needs the ``megatron`` extra; ``docs/megatron.md``)."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])

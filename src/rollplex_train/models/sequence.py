@@ -70,7 +70,7 @@ def rope_positions(
 
 
 def embed_with_vision(model, input_ids: torch.Tensor, vision: VisionInputs, vision_grad: bool,
-                      vision_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      vision_mask: Optional[torch.Tensor] = None, embed_tokens=None) -> torch.Tensor:
     """Token embeddings with the vision features scattered into the placeholder slots.
 
     Args:
@@ -78,6 +78,8 @@ def embed_with_vision(model, input_ids: torch.Tensor, vision: VisionInputs, visi
         vision_grad: build the vision tower's graph (False: frozen tower, features without grad).
         vision_mask: (N, L) bool, the tokens that may be vision slots (None: all); placeholder ids
             outside it keep their text embedding.
+        embed_tokens: the token embedding module (None: the HF model's input embeddings; the
+            Megatron backend passes its vocab-parallel ``word_embeddings``).
 
     Returns:
         (N, L, H) input embeddings.
@@ -86,7 +88,7 @@ def embed_with_vision(model, input_ids: torch.Tensor, vision: VisionInputs, visi
         ValueError: the number of slots differs from the number of vision features.
     """
     inner = model.model
-    embeds = inner.get_input_embeddings()(input_ids)
+    embeds = (embed_tokens if embed_tokens is not None else inner.get_input_embeddings())(input_ids)
     cfg = model.config
     for pixels, grid, token_id, encode in (
         (vision.pixel_values, vision.image_grid_thw, cfg.image_token_id, inner.get_image_features),

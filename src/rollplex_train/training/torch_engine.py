@@ -56,6 +56,17 @@ def _rows(batch: TrainBatch, rows: torch.Tensor) -> dict[str, Optional[torch.Ten
     )
 
 
+def build_optimizer(params: list[torch.nn.Parameter], actor: ActorConfig):
+    """AdamW over ``params`` and its linear warm-up over ``actor.lr_warmup_steps`` optimizer steps
+    (``LambdaLR``: factor ``min(1, (step + 1) / warmup)``)."""
+    optimizer = torch.optim.AdamW(params, lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay)
+    warmup = max(actor.lr_warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+    )
+    return optimizer, scheduler
+
+
 @register_train_engine("torch")
 class TorchTrainEngine(TrainEngine):
     """Actor and reference as transformers models on one device (CPU here).
@@ -86,13 +97,7 @@ class TorchTrainEngine(TrainEngine):
             self.actor.model.visual.requires_grad_(False)
         self.params = [p for p in self.actor.parameters() if p.requires_grad]
         self.dp = parallelize_torch(self.params, layout, rank)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay
-        )
-        warmup = max(actor.lr_warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.params, actor)
         self.weights_version = 0
         self.param_version = 0  # optimizer steps taken by this process (keys actor prefix states)
         self.prefixes = PrefixStore(owner="train-worker")
@@ -106,13 +111,7 @@ class TorchTrainEngine(TrainEngine):
         """Log-probs of the responses at ``rows``: full sequences, or shared prefix + suffixes."""
         part = _rows(batch, rows)
         if not self.model_cfg.shared_prefix:
-            ids, mask, plen, vision = build_full_sequences(
-                batch.prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
-            )
-            return part, response_logprobs(
-                model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
-                temperature=temperature, with_entropy=with_entropy,
-            )
+            return part, self._score_full(model, batch.prompts, part, temperature, with_entropy)
         groups = sorted(set(part["group_index"].tolist()))
         prompts = [batch.prompts[g] for g in groups]
         store_role, version = self._prefix_key(role)
@@ -126,6 +125,19 @@ class TorchTrainEngine(TrainEngine):
         for p in prompts:  # the suffix pass was the last consumer (backward holds its own references)
             self.prefixes.release(p.uid, store_role, version)
         return part, out
+
+    def _score_full(self, model, prompts, part: dict, temperature: float, with_entropy: bool):
+        """(N, R) log-probs (and entropy) of ``part``'s responses from full-sequence forwards (the
+        model call another backend replaces, as it replaces ``prefix_passes``)."""
+        ids, mask, plen, vision = build_full_sequences(
+            prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
+        )
+        return response_logprobs(model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
+                                 temperature=temperature, with_entropy=with_entropy)
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm of the actor's gradients; scales them to at most ``max_norm``."""
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
     def _prefix_key(self, role: str) -> tuple[str, object]:
         """(store role, version) of a pass: ``ref`` (frozen), ``old`` (actor, no grad) or ``actor``
@@ -296,7 +308,7 @@ class TorchTrainEngine(TrainEngine):
         self.dp.all_reduce_grads()
         metrics = self.dp.sum_metrics(metrics, tuple(metrics))  # each rank's share of the global means
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = self._clip_grad_norm(max_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()
