@@ -23,8 +23,11 @@ import torch
 
 try:  # one-line error naming the extra (the registry imports this module on first use)
     import megatron.core  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("actor.backend=megatron needs megatron-core: pip install -e '.[megatron]'") from exc
+except ImportError:  # pragma: no cover - exercised only without the extra
+    from rollplex_train.registry import MissingExtraError
+
+    raise MissingExtraError("actor.backend=megatron needs megatron-core, the 'megatron' extra: "
+                            "pip install -e '.[megatron]'") from None
 
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
