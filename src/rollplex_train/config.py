@@ -225,10 +225,15 @@ class RewardConfig:
     ``path/to/file.py:fn`` with ``fn(response: str, ground_truth: str, **kwargs) -> float``."""
     format_weight: float = 0.0
     """Score = (1 - w) * accuracy + w * format (EasyR1's r1v reward)."""
+    max_failed_frac: float = 1.0
+    """Stop the run with a one-line error when this fraction of a step's samples failed to score
+    (the function raised or returned no finite number); 1.0: only when every sample failed."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.format_weight <= 1.0:
             raise ValueError(f"reward.format_weight={self.format_weight}: expected 0 <= w <= 1")
+        if not 0.0 < self.max_failed_frac <= 1.0:
+            raise ValueError(f"reward.max_failed_frac={self.max_failed_frac}: expected 0 < f <= 1")
 
 
 @dataclass(kw_only=True)

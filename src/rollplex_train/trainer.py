@@ -70,9 +70,9 @@ class Trainer:
             raise ValueError(f"data.rollout_batch_size={cfg.data.rollout_batch_size} exceeds the "
                              f"{len(self.train_set)} rows of data.train_files={cfg.data.train_files!r}")
         self.loader = PromptLoader(self.train_set, cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
-        self.reward = RewardManager(cfg.reward.function, cfg.reward.format_weight)
+        self.reward = RewardManager(cfg.reward.function, cfg.reward.format_weight, cfg.reward.max_failed_frac)
         # Validation reports accuracy alone (format_weight 0), the number users compare across runs.
-        self.val_reward = RewardManager(cfg.reward.function, 0.0)
+        self.val_reward = RewardManager(cfg.reward.function, 0.0, cfg.reward.max_failed_frac)
         self.ckpt = CheckpointManager(self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
         self.resume_from = self.ckpt.resolve_resume(cfg.trainer.resume)
         if self.resume_from is not None and not (Path(self.resume_from) / "trainer_state.json").is_file():
