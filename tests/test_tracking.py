@@ -250,6 +250,28 @@ def test_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
     assert "score=0.5" in err and "step_s=1.2" in err
 
 
+def test_progress_bar_prints_log_lines_above_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    import sys
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)  # a console handler as Hydra's job logging installs
+    root.addHandler(handler)
+    try:
+        with ProgressBar(total=3, enabled=True) as bar:
+            bar.update({"critic/score/mean": 0.5})
+            logging.getLogger("rollplex_train.test").warning("a log line")
+            bar.update({"critic/score/mean": 0.6})
+        logging.getLogger("rollplex_train.test").warning("after the bar")
+        assert root.handlers[-1] is handler  # the redirect is undone at close
+    finally:
+        root.removeHandler(handler)
+    err = capsys.readouterr().err
+    segments = [seg for seg in re.split(r"[\r\n]", err) if "a log line" in seg]
+    assert segments == ["a log line"]  # on its own line, not glued to the bar's text
+    assert "after the bar\n" in err
+
+
 # ---- checkpoints -------------------------------------------------------------------------------
 def _writer(value: float):
     def write(tmp: Path) -> None:

@@ -339,9 +339,10 @@ class TrainerConfig:
 
     project_name: str = "rollplex"
     experiment_name: str = "default"
-    output_dir: str = "${hydra:runtime.output_dir}"
+    output_dir: Optional[str] = "${hydra:runtime.output_dir}"
     """Metrics, checkpoints, tensorboard events, Ray temp dir and the HF export go here (default:
-    Hydra's run dir, ``outputs/<project>/<experiment>``, so ``resume=auto`` finds the last run)."""
+    Hydra's run dir, ``outputs/<project>/<experiment>``, so ``resume=auto`` finds the last run; it
+    resolves to null outside a Hydra job, e.g. under ``--cfg job --resolve``)."""
     total_steps: int = 10
     seed: int = 1
     val_freq: int = 5
@@ -353,6 +354,9 @@ class TrainerConfig:
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir if any), ``disable``, or a checkpoint directory."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard", "wandb"])
+    wandb_init_timeout_s: float = 30.0
+    """Most seconds the wandb start may take; after it (or any online failure) the run logs to wandb
+    offline in ``output_dir/wandb``, with one warning naming the cause."""
     export_hf: bool = True
     """Write the final actor as a HF checkpoint directory under ``output_dir/hf_actor``."""
     progress_bar: bool = True
@@ -365,6 +369,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check_positive("trainer", "total_steps", self.total_steps)
         _check_positive("trainer", "max_ckpt_to_keep", self.max_ckpt_to_keep)
+        _check_positive("trainer", "wandb_init_timeout_s", self.wandb_init_timeout_s)
         for name in self.loggers:
             _check_choice("trainer", "loggers", name, ("console", "jsonl", "tensorboard", "wandb"))
 

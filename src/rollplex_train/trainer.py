@@ -78,8 +78,11 @@ class Trainer:
         if self.resume_from is not None and not (Path(self.resume_from) / "trainer_state.json").is_file():
             raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume!r}: {self.resume_from} is not a "
                                     "rollplex checkpoint (no trainer_state.json)")
+        # the driver state of the checkpoint to resume (its step and wandb run id are needed before Ray)
+        self.resume_state = load_json(Path(self.resume_from) / "trainer_state.json") if self.resume_from else None
         self.step = 0
         self.schedule = None
+        self.tracker: Optional[Tracker] = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
 
     # ---- run --------------------------------------------------------------------------------------
@@ -89,15 +92,16 @@ class Trainer:
         from rollplex_train.runtime import make_schedule
 
         cfg = self.cfg
-        start_ray(cfg, self.output_dir)
-        workers = create_worker_group(cfg)
-        self.schedule = make_schedule(cfg, workers, self.reward, self.tokenizer.pad_token_id)
-        self._maybe_resume()
-        tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
-                          cfg.trainer.experiment_name, OmegaConf.to_container(OmegaConf.structured(cfg)),
-                          fresh=self.step == 0)
+        if self._already_finished():
+            return {}
+        tracker = self._start_tracker()  # before Ray and any worker: a tracker that fails costs nothing
         last: dict[str, float] = {}
+        bar = None
         try:
+            start_ray(cfg, self.output_dir)
+            workers = create_worker_group(cfg)
+            self.schedule = make_schedule(cfg, workers, self.reward, self.tokenizer.pad_token_id)
+            self._maybe_resume()
             if cfg.trainer.val_before_train and self.step == 0 and self.val_set is not None:
                 last = self.validate()
                 tracker.log(last, step=0)
@@ -119,9 +123,9 @@ class Trainer:
                     self.step % cfg.trainer.val_freq == 0 or done
                 ):
                     metrics.update(self.validate())
+                tracker.log(metrics, step=self.step)  # before the checkpoint: a resume never lacks its step
                 if done or (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0):
                     self.save_checkpoint()
-                tracker.log(metrics, step=self.step)
                 bar.update(metrics)
                 last = metrics
             bar.close()
@@ -130,6 +134,8 @@ class Trainer:
 
                 ray.get(workers.train.export_hf.remote(str(self.output_dir / "hf_actor")))
         finally:
+            if bar is not None:
+                bar.close()
             tracker.close()
         return last
 
@@ -166,9 +172,36 @@ class Trainer:
         log.info("checkpoint saved: %s", path)
         return path
 
+    def _start_tracker(self) -> Tracker:
+        """The run's loggers; a resume continues the checkpoint's history (metrics cut back to its
+        step, TensorBoard purged after it, the same wandb run)."""
+        cfg, state = self.cfg, self.resume_state or {}
+        self.tracker = Tracker(
+            cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
+            OmegaConf.to_container(OmegaConf.structured(cfg)),
+            resume_step=int(state["step"]) if state else None, wandb_run_id=state.get("wandb_run_id"),
+            wandb_init_timeout_s=cfg.trainer.wandb_init_timeout_s,
+        )
+        return self.tracker
+
+    def _already_finished(self) -> bool:
+        """True (said in one line) when the checkpoint to resume is at ``trainer.total_steps`` already."""
+        done = int((self.resume_state or {}).get("step", 0))
+        if done < self.cfg.trainer.total_steps:
+            return False
+        log.warning("nothing to do: checkpoint %s is at step %d and trainer.total_steps=%d; raise "
+                    "trainer.total_steps to train further, or use trainer.resume=disable for a new run",
+                    self.resume_from, done, self.cfg.trainer.total_steps)
+        return True
+
+    def last_checkpoint(self) -> Optional[Path]:
+        """The newest complete checkpoint of this run's directory (None: none yet)."""
+        return self.ckpt.latest()
+
     def _driver_state(self) -> dict:
         return {
             "step": self.step,
+            "wandb_run_id": self.tracker.wandb_run_id if self.tracker is not None else None,
             "loader": self.loader.state_dict(),
             "weights_version": self.schedule.weights_version,
             "schedule": self.schedule.state_dict(),
@@ -183,7 +216,7 @@ class Trainer:
         path = self.resume_from
         if path is None:
             return None
-        state = load_json(Path(path) / "trainer_state.json")
+        state = self.resume_state
         version = ray.get(self.schedule.workers.train.load_checkpoint.remote(str(path)))
         self.loader.load_state_dict(state["loader"])
         self.schedule.load_state_dict(state.get("schedule", {}))
