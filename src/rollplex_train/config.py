@@ -189,7 +189,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = -1
     """Prompts per optimizer step (each with ``rollout.n`` responses); -1: the whole rollout batch."""
     micro_batch_size: int = 16
-    """Responses per forward/backward (gradient accumulation inside a mini-batch)."""
+    """Responses per forward/backward (gradient accumulation inside a mini-batch). With
+    ``model.shared_prefix=true`` a micro-batch is one group instead (its prefix pass and its
+    ``rollout.n`` suffixes), so that results do not depend on how a schedule places the passes."""
     ppo_epochs: int = 1
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
