@@ -66,9 +66,7 @@ class Trainer:
             PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files, "val", merge_size=merge)
             if cfg.data.val_files else None
         )
-        if len(self.train_set) < cfg.data.rollout_batch_size:
-            raise ValueError(f"data.rollout_batch_size={cfg.data.rollout_batch_size} exceeds the "
-                             f"{len(self.train_set)} rows of data.train_files={cfg.data.train_files!r}")
+        self._check_rows()
         self.loader = PromptLoader(self.train_set, cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
         self.reward = RewardManager(cfg.reward.function, cfg.reward.format_weight, cfg.reward.max_failed_frac)
         # Validation reports accuracy alone (format_weight 0), the number users compare across runs.
@@ -84,6 +82,21 @@ class Trainer:
         self.schedule = None
         self.tracker: Optional[Tracker] = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
+
+    def _check_rows(self) -> None:
+        """Every row checked up front (``PromptDataset.precheck``): data that cannot fill a step's
+        batch (or a validation pass) fails here in one line, with the skip counts by reason."""
+        cfg = self.cfg.data
+        for key, files, dataset, need in (("data.train_files", cfg.train_files, self.train_set, cfg.rollout_batch_size),
+                                          ("data.val_files", cfg.val_files, self.val_set, 1)):
+            if dataset is None:
+                continue
+            skipped = dataset.precheck()
+            usable = len(dataset) - dataset.num_bad
+            if usable < need:
+                wanted = "validation needs one" if key == "data.val_files" else f"a step needs data.rollout_batch_size={need}"
+                raise ValueError(f"{key}={files!r}: {usable} of {len(dataset)} rows are usable (skipped by reason: "
+                                 f"{dict(sorted(skipped.items())) or 'none'}); {wanted}")
 
     # ---- run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
