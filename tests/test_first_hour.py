@@ -172,3 +172,12 @@ def test_rollout_dump_holds_prompt_text_and_media(tmp_path, make_prompts, train_
     assert lines[0]["prompt"].startswith("<image>") and lines[2]["prompt"].startswith("<video>")
     assert lines[0]["media"][0].endswith(".png") and lines[2]["media"][0].endswith(".mp4")
     assert [r["text"] for r in lines] == ["r0", "r0", "r1", "r1"] and lines[2]["score"] == 0.5
+
+
+def test_docs_speak_of_the_project_only():
+    import re
+
+    pattern = re.compile(r"\b(issues? \d+|sessions? \d+|helper engineer)\b|\.\./shared|DESIGN\.md", re.IGNORECASE)
+    hits = [f"{path.name}:{n}" for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
