@@ -437,3 +437,20 @@ def test_export_hf_round_trip(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no_such_dir"):
         export_hf(model, tokenizer, out, extra_files_from=tmp_path / "no_such_dir")
     assert (out / "preprocessor_config.json").exists()  # failed export left the old one intact
+
+
+def test_val_accuracy_plot(tmp_path: Path) -> None:
+    from rollplex_train.tracking.plots import plot_val_accuracy, val_accuracy_curves
+
+    with Tracker(["jsonl"], tmp_path, "p", "e", {}) as tracker:
+        tracker.log({"val/accuracy": 0.3, "val/color/accuracy": 0.25, "val/count/accuracy": 0.35}, step=0)
+        tracker.log({"critic/score/mean": 0.5}, step=1)
+        tracker.log({"val/accuracy": 0.6, "val/color/accuracy": 0.9, "val/count/accuracy": float("nan")}, step=2)
+    curves = val_accuracy_curves(read_metrics_jsonl(tmp_path / "metrics.jsonl"))
+    assert curves == {"all": [(0, 0.3), (2, 0.6)], "color": [(0, 0.25), (2, 0.9)], "count": [(0, 0.35)]}
+    path = plot_val_accuracy(tmp_path)
+    assert path == tmp_path / "val_accuracy.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "no_val"
+    with Tracker(["jsonl"], empty, "p", "e", {}) as tracker:
+        tracker.log({"critic/score/mean": 0.5}, step=1)
+    assert plot_val_accuracy(empty) is None and not (empty / "val_accuracy.png").exists()

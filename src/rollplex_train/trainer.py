@@ -29,6 +29,7 @@ from rollplex_train.data.dataset import PromptDataset, PromptLoader
 from rollplex_train.models.loading import check_checkpoint_dir, load_tokenizer, load_vision_spec
 from rollplex_train.tracking.checkpoint import CheckpointManager, load_json, save_json
 from rollplex_train.tracking.loggers import Tracker
+from rollplex_train.tracking.plots import plot_val_accuracy
 from rollplex_train.tracking.progress import ProgressBar
 from rollplex_train.tracking.rollouts import dump_rollouts
 
@@ -142,6 +143,7 @@ class Trainer:
                 bar.update(metrics)
                 last = metrics
             bar.close()
+            self._plot_curves()
             if cfg.trainer.export_hf:
                 import ray
 
@@ -206,6 +208,12 @@ class Trainer:
                     "trainer.total_steps to train further, or use trainer.resume=disable for a new run",
                     self.resume_from, done, self.cfg.trainer.total_steps)
         return True
+
+    def _plot_curves(self) -> None:
+        """``<output_dir>/val_accuracy.png``: validation accuracy per task over the run (from
+        metrics.jsonl; nothing without the jsonl logger or validation)."""
+        if "jsonl" in self.cfg.trainer.loggers:
+            plot_val_accuracy(self.output_dir)
 
     def last_checkpoint(self) -> Optional[Path]:
         """The newest complete checkpoint of this run's directory (None: none yet)."""
