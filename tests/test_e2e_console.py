@@ -14,7 +14,7 @@ import pytest
 
 from conftest import CLI, ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def test_ctrl_c_prints_one_line_and_exits_130(embedded_assets, tmp_path):
