@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rollplex_train.algo.rewards import (
+    RewardFailure,
     RewardManager,
     auto_reward,
     choice_reward,
@@ -132,11 +133,37 @@ def test_manager_user_function_failures_are_logged_scored_zero_and_counted(tmp_p
     assert metrics["reward/failed"] == 3.0
     assert metrics["reward/accuracy"] == pytest.approx(0.25)
     assert metrics["reward/format"] == pytest.approx(0.25)
-    text = caplog.text
-    assert "uid-raise" in text and "kaboom" in text
-    assert "uid-nan" in text and "uid-str" in text
-    assert "uid-ok" not in text
+    # one warning for the call: the count and the first failure of each kind (not one per sample)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "failed on 3 of 4 samples" in warnings[0]
+    assert "uid=uid-raise raised RuntimeError: kaboom" in warnings[0]
+    assert "uid=uid-nan returned nan" in warnings[0]
+    assert "uid-str" not in warnings[0] and "uid-ok" not in warnings[0]
     assert all(math.isfinite(s) for s in scores.tolist())
+
+
+def test_manager_stops_when_the_failed_fraction_is_reached(tmp_path, caplog):
+    path = tmp_path / "broken.py"
+    path.write_text("def score(response, ground_truth):\n    raise KeyError('no such field')\n")
+    manager = RewardManager(f"{path}:score", format_weight=0.0)  # max_failed_frac=1.0: all must fail
+    with pytest.raises(RewardFailure, match=r"failed on 3 of 3 samples .*uid=u0 raised KeyError: 'no such field'.*"
+                                            r"reward.max_failed_frac=1"):
+        manager.score(["a", "b", "c"], ["1", "1", "1"], ["u0", "u1", "u2"])
+    half = RewardManager(f"{path}:score", format_weight=0.0, max_failed_frac=0.5)
+    with pytest.raises(RewardFailure):
+        half.score(["a"], ["1"], ["u0"])
+    ok = RewardManager("auto", format_weight=0.0, max_failed_frac=0.5)
+    scores, metrics = ok.score([r"\boxed{1}", "x"], ["1", "2"], ["u0", "u1"])
+    assert scores.tolist() == [1.0, 0.0] and metrics["reward/failed"] == 0.0
+    with pytest.raises(ValueError, match="reward.max_failed_frac"):
+        RewardManager("auto", format_weight=0.0, max_failed_frac=0.0)
+    message = ""
+    try:
+        manager.score(["a"], ["1"], ["u0"])
+    except RewardFailure as err:
+        message = str(err)
+    assert "\n" not in message  # one line
 
 
 def test_manager_errors():

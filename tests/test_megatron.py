@@ -161,7 +161,10 @@ def test_missing_extra_is_one_line_error_naming_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron", None)
     monkeypatch.setitem(sys.modules, "megatron.core", None)
     monkeypatch.delitem(sys.modules, "rollplex_train.training.megatron.engine", raising=False)
-    with pytest.raises(ImportError, match=r"actor.backend=megatron needs megatron-core: pip install -e '.\[megatron\]'"):
+    from rollplex_train.registry import MissingExtraError
+
+    with pytest.raises(MissingExtraError, match=r"actor.backend=megatron needs megatron-core, the 'megatron' extra: "
+                                                r"pip install -e '.\[megatron\]'"):
         importlib.import_module("rollplex_train.training.megatron.engine")
 
 

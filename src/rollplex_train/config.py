@@ -195,7 +195,9 @@ class ActorConfig:
     ppo_mini_batch_size: int = -1
     """Prompts per optimizer step (each with ``rollout.n`` responses); -1: the whole rollout batch."""
     micro_batch_size: int = 16
-    """Responses per forward/backward (gradient accumulation inside a mini-batch)."""
+    """Responses per forward/backward (gradient accumulation inside a mini-batch). With
+    ``model.shared_prefix=true`` a micro-batch is one group instead (its prefix pass and its
+    ``rollout.n`` suffixes), so that results do not depend on how a schedule places the passes."""
     ppo_epochs: int = 1
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
@@ -240,11 +242,16 @@ class RewardConfig:
     """A response whose reward function raised or returned None/NaN/a non-number: ``exclude`` (advantage
     0, left out of its group's mean and std) or ``zero`` (scored 0 and kept in the group's baseline,
     i.e. trained as a wrong answer). Counted in ``reward/failed`` either way."""
+    max_failed_frac: float = 1.0
+    """Stop the run with a one-line error when this fraction of a step's samples failed to score
+    (the function raised or returned no finite number); 1.0: only when every sample failed."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.format_weight <= 1.0:
             raise ValueError(f"reward.format_weight={self.format_weight}: expected 0 <= w <= 1")
         _check_choice("reward", "on_failure", self.on_failure, ("exclude", "zero"))
+        if not 0.0 < self.max_failed_frac <= 1.0:
+            raise ValueError(f"reward.max_failed_frac={self.max_failed_frac}: expected 0 < f <= 1")
 
 
 @dataclass(kw_only=True)
@@ -384,9 +391,10 @@ class TrainerConfig:
 
     project_name: str = "rollplex"
     experiment_name: str = "default"
-    output_dir: str = "${hydra:runtime.output_dir}"
+    output_dir: Optional[str] = "${hydra:runtime.output_dir}"
     """Metrics, checkpoints, tensorboard events, Ray temp dir and the HF export go here (default:
-    Hydra's run dir, ``outputs/<project>/<experiment>``, so ``resume=auto`` finds the last run)."""
+    Hydra's run dir, ``outputs/<project>/<experiment>``, so ``resume=auto`` finds the last run; it
+    resolves to null outside a Hydra job, e.g. under ``--cfg job --resolve``)."""
     total_steps: int = 10
     seed: int = 1
     val_freq: int = 5
@@ -398,6 +406,9 @@ class TrainerConfig:
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir if any), ``disable``, or a checkpoint directory."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard", "wandb"])
+    wandb_init_timeout_s: float = 30.0
+    """Most seconds the wandb start may take; after it (or any online failure) the run logs to wandb
+    offline in ``output_dir/wandb``, with one warning naming the cause."""
     export_hf: bool = True
     """Write the final actor as a HF checkpoint directory under ``output_dir/hf_actor``."""
     progress_bar: bool = True
@@ -410,6 +421,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check_positive("trainer", "total_steps", self.total_steps)
         _check_positive("trainer", "max_ckpt_to_keep", self.max_ckpt_to_keep)
+        _check_positive("trainer", "wandb_init_timeout_s", self.wandb_init_timeout_s)
         for name in self.loggers:
             _check_choice("trainer", "loggers", name, ("console", "jsonl", "tensorboard", "wandb"))
 

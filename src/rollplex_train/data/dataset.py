@@ -247,8 +247,10 @@ class PromptDataset:
         if prompt_ids.shape[0] > cfg.max_prompt_length:
             raise _Skip("too_long", f"prompt has {prompt_ids.shape[0]} tokens > data.max_prompt_length="
                                     f"{cfg.max_prompt_length}")
+        media = [(item.get("path") or "<bytes>") if isinstance(item, dict) else str(item) for item in images + videos]
         return PromptSample(uid=f"{self.split}:{index}", prompt_ids=prompt_ids, vision=vision,
-                            ground_truth=ground_truth, task=str(task), options=list(options))
+                            ground_truth=ground_truth, task=str(task), options=list(options), problem=problem,
+                            media=media)
 
     def _ground_truth(self, index: int, answer: Any, path: str, row_index: int) -> str:
         """The answer as a string: strings as they are; other JSON values as their JSON text
@@ -299,6 +301,51 @@ class PromptDataset:
             out.pixel_values_videos, out.video_grid_thw, out.second_per_grid_ts = (
                 torch.cat([p[k] for p in parts]) for k in range(3))
         return out
+
+    def precheck(self) -> collections.Counter:
+        """Check every row without decoding media (schema, placeholder counts, media files exist),
+        before training starts; bad rows are counted in :attr:`skipped` and skipped by :meth:`get`
+        without a retry. One warning sums them up (counts by reason, the first row of each).
+
+        Returns:
+            :attr:`skipped` (bad rows by reason; corrupt media and too-long prompts are only found
+            when a row is loaded).
+        """
+        first: dict[str, str] = {}
+        for part, (path, table) in enumerate(zip(self._paths, self._tables)):
+            for row_index, row in enumerate(table):
+                try:
+                    self._precheck_row(row, path, row_index)
+                except _Skip as skip:
+                    self._bad[int(self._offsets[part]) + row_index] = skip.reason
+                    self.skipped[skip.reason] += 1
+                    first.setdefault(skip.reason, f"{path} row {row_index}: {skip}")
+        if first:
+            logger.warning("split %r: %d of %d rows skipped (%s); first of each: %s", self.split, self.num_bad, len(self),
+                           ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())), " | ".join(first.values()))
+        return self.skipped
+
+    def _precheck_row(self, row: dict[str, Any], path: str, row_index: int) -> None:
+        cfg = self.cfg
+        problem, answer = row.get(cfg.prompt_key), row.get(cfg.answer_key)
+        if not isinstance(problem, str):
+            raise _Skip("bad_schema", f"column {cfg.prompt_key!r} must be a string, got {type(problem).__name__}")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise _Skip("bad_schema", f"column {cfg.answer_key!r} must be a string, got {type(answer).__name__}")
+        images, videos = _media_list(row, cfg.image_key), _media_list(row, cfg.video_key)
+        try:
+            build_messages(problem, num_images=len(images), num_videos=len(videos), system_prompt=cfg.system_prompt,
+                           format_prompt=self.format_prompt, name=f"{path} row {row_index}")
+        except ValueError as err:
+            raise _Skip("placeholder_mismatch", str(err)) from err
+        for item in images + videos:
+            if isinstance(item, dict) and item.get("bytes") is not None:
+                continue
+            file = item.get("path") if isinstance(item, dict) else item
+            if not file:
+                raise _Skip("bad_schema", f"media item {item!r} has no path")
+            if not resolve_path(file, Path(path).parent).is_file():
+                raise _Skip("missing_media", f"media file not found: {resolve_path(file, Path(path).parent)}")
 
     def iter_all(self, batch_size: int, max_samples: int = -1) -> Iterator[list[PromptSample]]:
         """One pass in row order, valid samples in lists of ``batch_size`` (the last may be shorter).

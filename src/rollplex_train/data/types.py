@@ -70,6 +70,9 @@ class PromptSample:
         ground_truth: the reference answer (string) for the reward function.
         task: data source / task name (metrics are also reported per task).
         options: the multiple-choice options if the task has them (else empty).
+        problem: the prompt text as the data file holds it (placeholders included), for dumps.
+        media: the file names of its images and videos as the data file gives them, in order
+            (``<bytes>`` for an image stored inline), for dumps.
     """
 
     uid: str
@@ -78,6 +81,8 @@ class PromptSample:
     ground_truth: str
     task: str = "default"
     options: list[str] = field(default_factory=list)
+    problem: str = ""
+    media: list[str] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:

@@ -112,19 +112,22 @@ class TorchTrainEngine(TrainEngine):
         part = _rows(batch, rows)
         if not self.model_cfg.shared_prefix:
             return part, self._score_full(model, batch.prompts, part, temperature, with_entropy)
-        groups = sorted(set(part["group_index"].tolist()))
-        prompts = [batch.prompts[g] for g in groups]
+        groups = set(part["group_index"].tolist())
+        assert len(groups) == 1, "with a shared prefix a micro-batch is one group (_micro_batches)"
+        prompt = batch.prompts[groups.pop()]
         store_role, version = self._prefix_key(role)
-        missing = [p for p in prompts if not self.prefixes.holds(p.uid, store_role, version)]
-        if missing:  # not precomputed (e.g. in a decode window): compute now
-            self._encode(missing, store_role)
-        states = [self.prefixes.take(p.uid, store_role, version) for p in prompts]
-        local = torch.tensor([groups.index(g) for g in part["group_index"].tolist()], dtype=torch.long)
-        out = self.prefix_passes.score(model, states, local, part["response_ids"], part["response_mask"],
-                           temperature=temperature, with_entropy=with_entropy)
-        for p in prompts:  # the suffix pass was the last consumer (backward holds its own references)
-            self.prefixes.release(p.uid, store_role, version)
-        return part, out
+        if not self.prefixes.holds(prompt.uid, store_role, version):  # not precomputed in a decode window
+            self._encode([prompt], store_role)
+        state = self.prefixes.take(prompt.uid, store_role, version)
+        # the group's own width, not the batch's: the numbers do not depend on which groups share a call
+        width = max(1, int(part["response_mask"].sum(-1).max()))
+        logp, ent = self.prefix_passes.score(model, [state], torch.zeros(len(rows), dtype=torch.long),
+                                             part["response_ids"][:, :width], part["response_mask"][:, :width],
+                                             temperature=temperature, with_entropy=with_entropy)
+        self.prefixes.release(prompt.uid, store_role, version)  # the suffix pass was its last consumer
+        pad = part["response_ids"].shape[1] - width
+        return part, (torch.nn.functional.pad(logp, (0, pad)),
+                      None if ent is None else torch.nn.functional.pad(ent, (0, pad)))
 
     def _score_full(self, model, prompts, part: dict, temperature: float, with_entropy: bool):
         """(N, R) log-probs (and entropy) of ``part``'s responses from full-sequence forwards (the
@@ -150,11 +153,14 @@ class TorchTrainEngine(TrainEngine):
         return "ref" if store_role == "ref" else self.param_version
 
     def _encode(self, prompts, store_role: str) -> None:
+        """Prefix states of ``prompts``, one prefix pass per prompt: a prompt's numbers (padding,
+        batch shape, autograd graph) are the same whichever prompts a call brings along."""
         model = self.ref if store_role == "ref" else self.actor
         version = self._prefix_version(store_role)
         with torch.set_grad_enabled(store_role == "actor"):
-            for state in self.prefix_passes.encode(model, prompts, version=version, with_grad=store_role == "actor",
-                                       freeze_vision=self.model_cfg.freeze_vision_tower):
+            for prompt in prompts:
+                state, = self.prefix_passes.encode(model, [prompt], version=version, with_grad=store_role == "actor",
+                                                   freeze_vision=self.model_cfg.freeze_vision_tower)
                 self.prefixes.put(store_role, state)
 
     def precompute_prefixes(self, prompts, roles: list[str], weights_version: int) -> dict[str, float]:
@@ -194,22 +200,19 @@ class TorchTrainEngine(TrainEngine):
 
     def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """Split ``rows`` into micro-batches of at most ``micro_batch_size`` responses; with a shared
-        prefix, whole groups only (at least one group per micro-batch), so each prefix gets one
-        backward."""
+        prefix, one group per micro-batch, groups in ascending index order.
+
+        One group per micro-batch fixes the composition of every prefix and suffix pass whatever
+        call or phase the group arrives in (a decode-tail call with the groups finished so far, the
+        window's prefix tasks, the update): the results are bit-identical however the schedule
+        places the work, and each prefix graph gets exactly one backward, in a fixed order.
+        """
         if not self.model_cfg.shared_prefix:
             return list(rows.split(self.cfg.micro_batch_size))
         by_group: dict[int, list[int]] = {}
         for row in rows.tolist():
             by_group.setdefault(int(batch.group_index[row]), []).append(row)
-        chunks, current = [], []
-        for group_rows in by_group.values():
-            if current and len(current) + len(group_rows) > self.cfg.micro_batch_size:
-                chunks.append(torch.tensor(current))
-                current = []
-            current += group_rows
-        if current:
-            chunks.append(torch.tensor(current))
-        return chunks
+        return [torch.tensor(by_group[g]) for g in sorted(by_group)]
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
@@ -220,12 +223,14 @@ class TorchTrainEngine(TrainEngine):
         if model is None:
             raise ValueError("reference log-probs requested but no KL is configured (algorithm.kl_coef/use_kl_*)")
         model.eval()
-        logps, ents = [], []
+        logps = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        ents = torch.zeros_like(logps) if with_entropy else None
         for rows in self._micro_batches(batch, torch.arange(batch.num_responses)):
             _, (lp, ent) = self._forward(model, role, batch, rows, temperature, with_entropy)
-            logps.append(lp)
-            ents.append(ent)
-        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+            logps[rows] = lp
+            if with_entropy:
+                ents[rows] = ent
+        return logps, ents
 
     # ---- update -----------------------------------------------------------------------------------
     def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
