@@ -117,6 +117,9 @@ class TrainBatch:
         old_logprobs: (N, R) float32 log-probs under the weights that sampled (None before computed).
         ref_logprobs: (N, R) float32 reference log-probs (None when no KL is used).
         rollout_logprobs: (N, R) float32 log-probs reported by the rollout engine (diagnostics).
+        old_logprobs_from_actor: the first PPO mini-batch's old-policy log-probs are the actor's own
+            forward before its first optimizer step (``runtime/old_policy.py``); ``old_logprobs``
+            then holds only the other mini-batches' rows (None when there are none).
     """
 
     prompts: list[PromptSample]
@@ -127,6 +130,7 @@ class TrainBatch:
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None
     rollout_logprobs: Optional[torch.Tensor] = None
+    old_logprobs_from_actor: bool = False
 
     @property
     def num_responses(self) -> int:
