@@ -229,6 +229,9 @@ class RollplexSchedule(SerialSchedule):
             if results else decode_s,
             "prefix/bytes_held": results[-1]["prefix/bytes_held"] if results else 0.0,
         }
+        metrics["rollplex/planned_gain_s"] = plan.planned_gain_s  # over no overlap; 0 when none is planned
+        metrics["rollplex/realised_gain_s"] = self.planner.realised_gain_s(plan, self.cost, self.decode_steps,
+                                                                           metrics["planner/actual_s"])
         metrics.update({f"timing_s/prefix_{role}": s for role, s in by_role.items()})
         metrics.update(self.cost.metrics())
         if plan.predicted_s is not None:
