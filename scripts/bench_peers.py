@@ -32,14 +32,18 @@ def main() -> None:
     parser.add_argument("--rollplex-steps", type=int, default=4, help="rollplex steps per run (timed from step 4)")
     parser.add_argument("--max-load", type=float, default=2.5, help="wait until the 1-min load average is below")
     parser.add_argument("--max-wait", type=float, default=300.0, help="longest wait for that, seconds")
+    parser.add_argument("--full-sequence-rounds", type=int, default=None,
+                        help="run the serial (full sequences) system in the first N rounds only")
     parser.add_argument("--out", default="outputs/bench_peers")
+    parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both sides (smoke runs)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
     results = run_rounds(args.workloads.split(","), args.systems.split(","), args.rounds, out,
-                         [f"model.path={args.model}"], trl_steps=args.trl_steps, serial_steps=args.serial_steps,
+                         [f"model.path={args.model}", *args.overrides], trl_steps=args.trl_steps, serial_steps=args.serial_steps,
                          rollplex_steps=args.rollplex_steps, max_load=args.max_load, max_wait_s=args.max_wait,
+                         full_sequence_rounds=args.full_sequence_rounds,
                          report=lambda line: print(line, flush=True))
     print("\n".join(table(results)))
     trl = [r for systems in results.values() for r in systems.get("trl", [])]

@@ -141,13 +141,18 @@ def last_line(results: dict[str, dict[str, list[dict]]]) -> Optional[str]:
 
 def run_rounds(workloads: list[str], systems: list[str], rounds: int, out: Path, overrides: list[str], *,
                trl_steps: int = 2, serial_steps: int = 2, rollplex_steps: int = 4, max_load: float = 2.5,
-               max_wait_s: float = 300.0, report=print) -> dict[str, dict[str, list[dict]]]:
+               max_wait_s: float = 300.0, full_sequence_rounds: Optional[int] = None,
+               report=print) -> dict[str, dict[str, list[dict]]]:
     """``rounds`` x workloads x systems, interleaved (a slow drift of the machine hits every system
-    alike); each run waits for an idle machine first. ``report`` gets a line per finished run."""
+    alike); each run waits for an idle machine first. ``full_sequence_rounds``: run the ``serial``
+    (full sequences) system only in the first this-many rounds (None: all; it is not in the last
+    line and is the slowest). ``report`` gets a line per finished run."""
     results: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in systems} for w in workloads}
     for rnd in range(rounds):
         for workload in workloads:
             for system in systems:
+                if system == "serial" and full_sequence_rounds is not None and rnd >= full_sequence_rounds:
+                    continue
                 load, waited = wait_for_idle(max_load, max_wait_s)
                 where = out / workload / system / f"round{rnd + 1}"
                 begin = time.monotonic()
