@@ -199,6 +199,11 @@ class ActorConfig:
     ``model.shared_prefix=true`` a micro-batch is one group instead (its prefix pass and its
     ``rollout.n`` suffixes), so that results do not depend on how a schedule places the passes."""
     ppo_epochs: int = 1
+    recompute_old_log_prob: bool = False
+    """Always run the separate old-policy pass (verl's behaviour). False: the first mini-batch's old
+    log-probs are the actor's own forward before its first optimizer step (``old = logp.detach()``,
+    as TRL's GRPOTrainer does), since the weights are provably the same; only the other mini-batches
+    get the separate pass (``runtime/old_policy.py``)."""
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     """PPO ratio clip range [1 - low, 1 + high] (DAPO's clip-higher when high > low)."""

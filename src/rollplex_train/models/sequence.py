@@ -21,6 +21,12 @@ import torch.nn.functional as F
 
 from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.models.rope import RopeSpec, mrope_positions
+from rollplex_train.models.logprobs import chosen_token_logprobs
+
+FULL_LOGSOFTMAX_MAX_BYTES = 256 * 1024**2
+"""Largest (N, R, V) float32 log-softmax materialised when scoring responses (above: chunked).
+256 MiB: 8k response tokens at Qwen2.5's 152k vocabulary take 4.6 GiB, the small checkpoint's
+64 x 128 tokens at 1088 entries 36 MiB."""
 
 
 def mm_token_type_ids(model, input_ids: torch.Tensor, vision_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -229,12 +235,24 @@ def logprobs_from_hidden(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """LM head + log-softmax on selected hidden states.
 
+    When the (N, R, V) float32 log-softmax would exceed ``FULL_LOGSOFTMAX_MAX_BYTES`` and the head is
+    a plain ``torch.nn.Linear`` (every HF checkpoint), the chosen tokens' log-probs and the entropy
+    come from ``models/logprobs.py`` in chunks of rows (no (N, R, V) tensor is materialised or kept
+    for backward). Below that size the full log-softmax runs: it gives the same values to float
+    rounding, and AdamW's per-element normalisation would turn that rounding into weight
+    differences above 1e-6 after a few steps.
+
     Args:
         hidden: (N, R, H) hidden states whose logits score ``response_ids`` (N, R).
 
     Returns:
         logprobs (N, R) float32 and optional entropy (N, R) float32, zero outside ``response_mask``.
     """
+    vocab = model.lm_head.weight.shape[0] if type(model.lm_head) is torch.nn.Linear else 0
+    if vocab and hidden.shape[0] * hidden.shape[1] * vocab * 4 > FULL_LOGSOFTMAX_MAX_BYTES:
+        logprobs, entropy = chosen_token_logprobs(hidden, model.lm_head, response_ids, temperature=temperature,
+                                                  with_entropy=with_entropy)
+        return logprobs * response_mask, (entropy * response_mask if with_entropy else None)
     logits = model.lm_head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature

@@ -10,6 +10,7 @@ how responses are split into micro-batches).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -21,7 +22,7 @@ import torch
 from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
-from rollplex_train.models.loading import load_model, load_tokenizer
+from rollplex_train.models.loading import dropout_rates, load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
 from rollplex_train.training.base import PrefixPasses
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
@@ -234,23 +235,42 @@ class TorchTrainEngine(TrainEngine):
 
     # ---- update -----------------------------------------------------------------------------------
     def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
-        if batch.advantages is None or batch.old_logprobs is None:
-            raise ValueError("update_actor needs batch.advantages and batch.old_logprobs")
-        use_kl = self.algo.use_kl_loss and self.ref is not None
-        if use_kl and batch.ref_logprobs is None:
-            raise ValueError("algorithm.use_kl_loss is on but batch.ref_logprobs is missing")
+        """PPO epochs x mini-batches x micro-batches over ``batch`` (see the module docstring).
+
+        With ``batch.old_logprobs_from_actor`` the first mini-batch of the first epoch takes its
+        old-policy log-probs from its own forward (``old = logp.detach()``: ratio exactly 1), and
+        later epochs reuse those values (``runtime/old_policy.py``).
+
+        Raises:
+            ValueError: advantages, old log-probs (of the mini-batches that need them) or reference
+                log-probs (with the KL loss) missing; ``old_logprobs_from_actor`` on a model with dropout.
+        """
         num_prompts = len(batch.prompts)
         mini = self.cfg.ppo_mini_batch_size if self.cfg.ppo_mini_batch_size > 0 else num_prompts
         specs = batch.plan_mini_batches(max(1, mini))
+        from_actor = batch.old_logprobs_from_actor
+        if batch.advantages is None or (batch.old_logprobs is None and not (from_actor and len(specs) == 1)):
+            raise ValueError("update_actor needs batch.advantages and batch.old_logprobs (all mini-batches but "
+                             "the first when old_logprobs_from_actor)")
+        if from_actor and any(r > 0 for r in dropout_rates(self.actor.config.to_dict()).values()):
+            raise ValueError("old_logprobs_from_actor: the checkpoint has dropout, so the training forward is "
+                             "not the old policy; set actor.recompute_old_log_prob=true")
+        use_kl = self.algo.use_kl_loss and self.ref is not None
+        if use_kl and batch.ref_logprobs is None:
+            raise ValueError("algorithm.use_kl_loss is on but batch.ref_logprobs is missing")
+        if from_actor:  # filled by the first mini-batch's forward, read again by later epochs
+            old = batch.old_logprobs.clone() if batch.old_logprobs is not None else torch.zeros_like(batch.response_mask)
+            batch = dataclasses.replace(batch, old_logprobs=old)
         sums: dict[str, float] = {}
         count = 0
         if self._shared is not None:  # in-place writes ahead: the rollout refuses until publish_weights
             self._shared.begin_update()
         self.actor.train()
-        for _ in range(self.cfg.ppo_epochs):
-            for spec in specs:
+        for epoch in range(self.cfg.ppo_epochs):
+            for index, spec in enumerate(specs):
                 metrics = self._update_mini_batch(batch, batch.rows_of(spec.groups), use_kl, temperature,
-                                                  spec.num_tokens, spec.num_seqs)
+                                                  spec.num_tokens, spec.num_seqs,
+                                                  old_from_actor=from_actor and epoch == 0 and index == 0)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
@@ -277,9 +297,10 @@ class TorchTrainEngine(TrainEngine):
         return out
 
     def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool, temperature: float,
-                           num_tokens: int, num_seqs: int) -> dict[str, float]:
+                           num_tokens: int, num_seqs: int, old_from_actor: bool = False) -> dict[str, float]:
         """One optimizer step over this rank's ``rows`` of a mini-batch of ``num_tokens`` response
-        tokens in ``num_seqs`` responses over all DP ranks; gradients summed over the DP group."""
+        tokens in ``num_seqs`` responses over all DP ranks; gradients summed over the DP group.
+        ``old_from_actor``: this mini-batch's old-policy log-probs are its own forward, detached."""
         cfg = self.cfg
         metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/pg_clipfrac_lower": 0.0,
                    "actor/ppo_kl": 0.0, "actor/kl_loss": 0.0, "actor/entropy": 0.0}
@@ -290,8 +311,12 @@ class TorchTrainEngine(TrainEngine):
             part, (logp, ent) = self._forward(self.actor, "actor", batch, micro, temperature, with_entropy=True)
             mask = part["response_mask"]
             weight = float(mask.sum()) / max(num_tokens, 1)  # token share of this micro-batch
+            old = part["old_logprobs"]
+            if old_from_actor:  # the weights that sampled: this forward is the old policy
+                old = logp.detach()
+                batch.old_logprobs[micro] = old
             loss, pg = policy_loss(
-                logp, part["old_logprobs"], part["advantages"], mask,
+                logp, old, part["advantages"], mask,
                 clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
             )
