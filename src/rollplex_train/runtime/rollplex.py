@@ -28,7 +28,6 @@ from rollplex_train.data.types import PromptSample
 from rollplex_train.runtime import batching
 from rollplex_train.runtime.cost_model import CostModel
 from rollplex_train.runtime.graph import build_step_graph
-from rollplex_train.runtime.old_policy import first_mini_batch_groups
 from rollplex_train.runtime.planner import PhasePlanner, WindowPlan
 from rollplex_train.runtime.protocol import get_all, wait_first
 from rollplex_train.runtime.serial import SerialSchedule, sampling_params
@@ -103,7 +102,7 @@ class RollplexSchedule(SerialSchedule):
             if not groups:
                 continue
             first = sum(g < mini for g in groups)  # this rank's groups in the first mini-batch
-            plan = self.planner.plan(self._graph([step_prompts.prompts[g] for g in groups], max(1, first)), self.cost)
+            plan = self.planner.plan(self._graph([step_prompts.prompts[g] for g in groups], first), self.cost)
             keep = (lambda n: first > 0 or "/actor/" not in n)  # no actor prefix ahead of a foreign step
             plans.append(replace(plan, window_tasks=_globalise([n for n in plan.window_tasks if keep(n)], groups),
                                  after_tasks=_globalise([n for n in plan.after_tasks if keep(n)], groups)))
@@ -112,18 +111,18 @@ class RollplexSchedule(SerialSchedule):
                        after_tasks=_run_order([t for p in plans for t in p.after_tasks]),
                        window_bytes=max(p.window_bytes for p in plans))
 
-    def _graph(self, prompts: list[PromptSample], first_mini_batch_groups: int):
-        """The task graph of one DP rank's groups; the first ``first_mini_batch_groups`` (>= 1) of
-        them belong to the first global mini-batch (their actor prefixes may run in the window)."""
+    def _graph(self, prompts: list[PromptSample], first_groups: int):
+        """The task graph of one DP rank's groups; the first ``first_groups`` of them belong to the
+        first global mini-batch (their actor prefixes may run in the window; with the old-policy
+        reuse they need no old-policy prefix)."""
         cfg = self.cfg
-        mini = first_mini_batch_groups
         return build_step_graph(
             [p.prompt_length for p in prompts], self.response_tokens, decode_steps=self.decode_steps,
-            mini_batch_groups=mini,
+            mini_batch_groups=max(1, first_groups),
             needs_reference=cfg.algorithm.needs_reference, weights_version=self.weights_version,
             prefix_bytes_per_token=max(self.bytes_per_token.get("old", 0.0), self.bytes_per_token.get("ref", 0.0)),
             actor_bytes_per_token=self.bytes_per_token.get("actor", 0.0),
-            old_from_actor_groups=first_mini_batch_groups(cfg, len(prompts)) if self.old_from_actor else 0,
+            old_from_actor_groups=first_groups if self.old_from_actor else 0,
         )
 
     def _set_share(self, wanted: tuple[int, int], current: tuple[int, int], t: dict[str, float]) -> tuple[int, int]:
