@@ -90,3 +90,10 @@ def test_split_by_rank_keeps_global_counts_and_rows():
     values = [torch.full((p.num_responses, 4), float(r)) for r, p in enumerate(parts)]
     merged = gather_rows(parts, values, batch.num_responses)
     assert merged[:, 0].tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
+
+
+def test_split_keeps_the_old_policy_reuse_flag():
+    batch = _batch([[3, 1], [2, 2]])
+    batch.old_logprobs_from_actor = True
+    parts = batch.split_by_rank([0, 1], num_ranks=2, groups_per_mini_batch=2)
+    assert all(p.old_logprobs_from_actor for p in parts)

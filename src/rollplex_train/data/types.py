@@ -233,6 +233,7 @@ class TrainBatch:
             ref_logprobs=take(self.ref_logprobs),
             rollout_logprobs=take(self.rollout_logprobs),
             reward_failed=take(self.reward_failed),
+            old_logprobs_from_actor=self.old_logprobs_from_actor,
         )
 
 
