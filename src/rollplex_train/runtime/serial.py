@@ -132,6 +132,7 @@ class SerialSchedule:
         batch.old_logprobs_from_actor = self.old_from_actor
         groups = old_pass_groups(self.cfg, len(batch.prompts), self.old_from_actor)
         if not groups:
+            t["old_log_prob"] = 0.0  # the phase ran inside the update (verl's timing key kept: 0 s)
             return
         with self.timeline.span("old_log_prob", "train", t):
             if len(groups) == len(batch.prompts):
