@@ -173,7 +173,13 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
                 assert b[key] == pytest.approx(a[key], abs=1e-6), (schedule, a["step"], key)
         for name, value in w_serial.items():
             assert (w_other[name] - value).abs().max() <= 1e-5, (schedule, name)
-    assert runs["rollplex+tail"][0][2]["rollplex/tail_groups"] > 0
+    # the decode tail: when some group finished decoding before the last one, its suffixes were
+    # scored beside the decode (the same results as above)
+    lengths: dict[str, int] = {}
+    for r in rollouts("rollplex+tail", 3):
+        lengths[r["uid"]] = max(lengths.get(r["uid"], 0), len(r["token_ids"]))
+    if len(set(lengths.values())) > 1:
+        assert runs["rollplex+tail"][0][2]["rollplex/tail_groups"] > 0
     rollplex = runs["rollplex"][0]  # steps 1-2 profile serially, step 3 at the even split
     assert [r["planner/profiling"] for r in rollplex] == [1.0, 1.0, 1.0]
     assert [r["planner/train_share"] for r in rollplex] == [0.0, 0.0, 1.0]
