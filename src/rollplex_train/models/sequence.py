@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from rollplex_train.data.types import PromptSample, VisionInputs
+from rollplex_train.device import model_device
 
 
 def mm_token_type_ids(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,7 @@ def rope_positions(
     """
     if vision.image_grid_thw is None and vision.video_grid_thw is None:
         pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0) * attention_mask.long()
-        return pos.unsqueeze(0).expand(3, -1, -1).contiguous(), torch.zeros(input_ids.shape[0], 1, dtype=torch.long)
+        return pos.unsqueeze(0).expand(3, -1, -1).contiguous(), torch.zeros(input_ids.shape[0], 1, dtype=torch.long, device=input_ids.device)
     kwargs = dict(
         input_ids=input_ids,
         mm_token_type_ids=mm_token_type_ids(model, input_ids),
@@ -56,7 +57,7 @@ def rope_positions(
     # largest position instead, which differs when a Qwen2.5-VL video with > 1 s per grid step ends
     # the prompt).
     mask = attention_mask.long()
-    last = (mask * torch.arange(mask.shape[1])).argmax(-1, keepdim=True)
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1, keepdim=True)
     deltas = position_ids[0].gather(1, last) + 1 - mask.sum(-1, keepdim=True)
     return position_ids, deltas.long()
 
@@ -155,6 +156,9 @@ def response_logprobs(
     Returns:
         logprobs (N, R) float32 and, if requested, entropy (N, R) float32; both zero outside the mask.
     """
+    dev = model_device(model)  # the inputs are built on CPU (data/types.py); the model may sit on a GPU
+    input_ids, attention_mask, vision = input_ids.to(dev), attention_mask.to(dev), vision.to(dev)
+    prompt_lengths, response_ids, response_mask = prompt_lengths.to(dev), response_ids.to(dev), response_mask.to(dev)
     position_ids, _ = rope_positions(model, input_ids, attention_mask, vision)
     out = model.model(
         input_ids=input_ids,
@@ -165,7 +169,7 @@ def response_logprobs(
     )
     hidden = out.last_hidden_state  # (N, L, H)
     n, r = response_ids.shape
-    idx = (prompt_lengths.view(-1, 1) - 1 + torch.arange(r).view(1, -1)).clamp(max=hidden.shape[1] - 1)
+    idx = (prompt_lengths.view(-1, 1) - 1 + torch.arange(r, device=dev).view(1, -1)).clamp(max=hidden.shape[1] - 1)
     h_sel = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (N, R, H)
     return logprobs_from_hidden(model, h_sel, response_ids, response_mask, temperature, with_entropy)
 

@@ -21,6 +21,7 @@ import torch
 from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
+from rollplex_train.device import compute_context, layout_device
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
@@ -45,7 +46,8 @@ def _rows(batch: TrainBatch, rows: torch.Tensor) -> dict[str, Optional[torch.Ten
 
 @register_train_engine("torch")
 class TorchTrainEngine(TrainEngine):
-    """Actor and reference as transformers models on one device (CPU here).
+    """Actor and reference as transformers models on one device (``cpu``, or ``cuda:<local index>`` of the
+    rank's device; ``device.py``), computing in ``model.compute_dtype``.
 
     Args:
         model: model section (checkpoint path, dtype, frozen vision tower).
@@ -63,7 +65,8 @@ class TorchTrainEngine(TrainEngine):
         torch.manual_seed(seed)
         self.rank = rank
         self.model_cfg, self.cfg, self.algo = model, actor, algorithm
-        self.actor = load_model(model.path, model.dtype, model.attn_implementation)
+        self.device = layout_device(layout, rank)
+        self.actor = load_model(model.path, model.dtype, model.attn_implementation).to(self.device)
         self.tokenizer = load_tokenizer(model.path)
         self.pad_id = self.tokenizer.pad_token_id
         self.ref = None
@@ -95,10 +98,10 @@ class TorchTrainEngine(TrainEngine):
             ids, mask, plen, vision = build_full_sequences(
                 batch.prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
             )
-            return part, response_logprobs(
-                model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
-                temperature=temperature, with_entropy=with_entropy,
-            )
+            with self._compute():
+                out = response_logprobs(model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
+                                        temperature=temperature, with_entropy=with_entropy)
+            return self._on_device(part), out
         groups = sorted(set(part["group_index"].tolist()))
         prompts = [batch.prompts[g] for g in groups]
         store_role, version = self._prefix_key(role)
@@ -107,11 +110,20 @@ class TorchTrainEngine(TrainEngine):
             self._encode(missing, store_role)
         states = [self.prefixes.take(p.uid, store_role, version) for p in prompts]
         local = torch.tensor([groups.index(g) for g in part["group_index"].tolist()], dtype=torch.long)
-        out = score_suffix(model, states, local, part["response_ids"], part["response_mask"],
-                           temperature=temperature, with_entropy=with_entropy)
+        with self._compute():
+            out = score_suffix(model, states, local, part["response_ids"], part["response_mask"],
+                               temperature=temperature, with_entropy=with_entropy)
         for p in prompts:  # the suffix pass was the last consumer (backward holds its own references)
             self.prefixes.release(p.uid, store_role, version)
-        return part, out
+        return self._on_device(part), out
+
+    def _compute(self):
+        """The forward-pass precision context (``model.compute_dtype``; ``device.py``)."""
+        return compute_context(self.device, self.model_cfg.compute_dtype)
+
+    def _on_device(self, part: dict) -> dict:
+        """The per-response tensors of ``part`` on the actor's device (the loss inputs)."""
+        return {k: None if v is None else v.to(self.device) for k, v in part.items()}
 
     def _prefix_key(self, role: str) -> tuple[str, object]:
         """(store role, version) of a pass: ``ref`` (frozen), ``old`` (actor, no grad) or ``actor``
@@ -126,7 +138,7 @@ class TorchTrainEngine(TrainEngine):
     def _encode(self, prompts, store_role: str) -> None:
         model = self.ref if store_role == "ref" else self.actor
         version = self._prefix_version(store_role)
-        with torch.set_grad_enabled(store_role == "actor"):
+        with torch.set_grad_enabled(store_role == "actor"), self._compute():
             for state in encode_prefix(model, prompts, version=version, with_grad=store_role == "actor",
                                        freeze_vision=self.model_cfg.freeze_vision_tower):
                 self.prefixes.put(store_role, state)
@@ -199,7 +211,8 @@ class TorchTrainEngine(TrainEngine):
             _, (lp, ent) = self._forward(model, role, batch, rows, temperature, with_entropy)
             logps.append(lp)
             ents.append(ent)
-        return torch.cat(logps), (torch.cat(ents) if with_entropy else None)
+        home = batch.response_ids.device  # results go back where the batch lives (the driver's CPU)
+        return torch.cat(logps).to(home), (torch.cat(ents).to(home) if with_entropy else None)
 
     # ---- update -----------------------------------------------------------------------------------
     def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
@@ -313,14 +326,15 @@ class TorchTrainEngine(TrainEngine):
         pending.wait()
         return pending.nbytes
 
-    def export_shared_weights(self) -> dict:
+    def export_shared_weights(self, same_process: bool = False) -> dict:
         """Put the actor's parameters in shared memory (once, in place) and export handles to them
         for one rollout process (``sharing/embedded.py``); from then on ``update_actor`` and
-        ``load_checkpoint`` mark the weights in flux until ``publish_weights``."""
+        ``load_checkpoint`` mark the weights in flux until ``publish_weights``. ``same_process``: the
+        rollout engine is in this process; the payload is the tensors themselves (``LocalWeights``)."""
         from rollplex_train.sharing.embedded import SharedActor
 
         if self._shared is None:
-            self._shared = SharedActor(self.actor, self.weights_version)
+            self._shared = SharedActor(self.actor, self.weights_version, same_process=same_process)
         return self._shared.export()
 
     def publish_weights(self, version: int) -> dict[str, float]:
