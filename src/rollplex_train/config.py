@@ -148,7 +148,7 @@ class RolloutConfig:
     """Response sampling by the rollout engine."""
 
     name: str = "builtin"
-    """Registered engine: ``builtin`` (transformers, CPU/GPU); an SGLang adapter is planned."""
+    """Registered engine: ``builtin`` (transformers, CPU/GPU) or ``sglang`` (GPU, the ``sglang`` extra)."""
     n: int = 8
     """Responses per prompt (the GRPO group size G)."""
     temperature: float = 1.0

@@ -53,7 +53,9 @@ class Trainer:
         self.cfg, self.output_dir = cfg, Path(output_dir)
         # Names chosen by config fail here, before Ray and the workers start.
         get_adv_estimator(cfg.algorithm.adv_estimator)
-        ROLLOUT_ENGINES.get(cfg.rollout.name)
+        check_engine = getattr(ROLLOUT_ENGINES.get(cfg.rollout.name), "check_available", None)
+        if check_engine is not None:  # an engine from an optional extra (SGLang): installed, usable here
+            check_engine(cfg)
         TRAIN_ENGINES.get(cfg.actor.backend)
         if cfg.cluster.device == "cuda" and cfg.cluster.address is None and torch.cuda.device_count() == 0:
             raise ValueError("cluster.device=cuda: no GPU is visible on this machine "

@@ -87,12 +87,14 @@ class RolloutWorker:
     def __init__(self, engine: str, model: ModelConfig, threads: int, max_batch_size: int,
                  authkey: Optional[bytes] = None, layout=None, device_index: int = 0, device_share: str = "cores"):
         _setup_process(threads, authkey)
-        device = layout_device(layout, device_index)
+        placement = {}
+        if engine == "builtin":  # decodes in this process (SGLang places its own scheduler processes)
+            device = layout_device(layout, device_index)
+            placement = dict(device=device, compute_dtype=model.compute_dtype, device_share=device_share,
+                             decode_sms=half_sms(device, device_share, "decode"))
         self.engine = create_rollout_engine(
             engine, model_path=model.path, dtype=model.dtype,
-            attn_implementation=model.attn_implementation, max_batch_size=max_batch_size,
-            device=device, compute_dtype=model.compute_dtype, device_share=device_share,
-            decode_sms=half_sms(device, device_share, "decode"),
+            attn_implementation=model.attn_implementation, max_batch_size=max_batch_size, **placement,
         )
         self.engine.set_compute_share(threads)  # calls may run on other threads than __init__
 

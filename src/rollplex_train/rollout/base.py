@@ -12,8 +12,9 @@ release / resume memory by tag):
 - optional capabilities: ``supports_compute_share`` (the planner may re-share the device while the
   engine decodes) and streaming (the default ``generate_stream`` yields once at the end).
 
-This build ships the built-in engine (``builtin``: transformers, CPU/GPU). The SGLang adapter is not
-in this build; ``rollout.name`` lists what is registered.
+Registered engines: ``builtin`` (transformers, CPU/GPU, run and tested here) and ``sglang``
+(``rollout/sglang.py``, written against SGLang 0.5.23's API; it needs the ``sglang`` extra and a GPU
+and has run only where ``scripts/check_sglang.py`` ran; see docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -146,8 +147,8 @@ class RolloutEngine(abc.ABC):
 
 ROLLOUT_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry(
     "rollout.name",
-    # shipped engines, imported on first use
-    modules={"builtin": "rollplex_train.rollout.builtin"},
+    # shipped engines, imported on first use (the SGLang adapter imports SGLang only when built)
+    modules={"builtin": "rollplex_train.rollout.builtin", "sglang": "rollplex_train.rollout.sglang"},
 )
 register_rollout_engine = ROLLOUT_ENGINES.register
 

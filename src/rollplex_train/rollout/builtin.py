@@ -186,11 +186,9 @@ class BuiltinRolloutEngine(RolloutEngine):
         return nbytes
 
     def sync_shared_weights(self, version: int) -> None:
-        if self._shared is None:
-            raise RuntimeError("sync_shared_weights before map_shared_weights")
-        if version <= self.weights_version:
-            raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
-        self._shared.check(version)
+        from rollplex_train.sharing.ipc import check_sync
+
+        check_sync(self._shared, self.weights_version, version)
         self.weights_version = version
 
     def weights_digest(self) -> dict[str, str]:

@@ -99,6 +99,21 @@ class SharedWeights:
         self.version = None  # type: ignore[assignment]
 
 
+def check_sync(shared: Optional[SharedWeights], current: int, version: int) -> SharedWeights:
+    """The checks of a rollout engine's ``sync_shared_weights(version)`` holding ``current``.
+
+    Raises:
+        RuntimeError: nothing is mapped yet. StaleWeightsError: ``version`` is not newer than
+            ``current``, or the shared counter is not ``version``.
+    """
+    if shared is None:
+        raise RuntimeError("sync_shared_weights before map_shared_weights")
+    if version <= current:
+        raise StaleWeightsError(f"weights version {version} is not newer than {current}")
+    shared.check(version)
+    return shared
+
+
 def import_handles(payload: bytes) -> SharedWeights:
     """Map the tensors of an ``export_handles`` payload (load it exactly once)."""
     return SharedWeights(payload)

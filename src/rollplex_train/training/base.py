@@ -4,12 +4,45 @@ from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, Union
 
 import torch
 
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.registry import Registry
+
+
+class PrefixStateLike(Protocol):
+    """What the engines' ``PrefixStore`` needs of a backend's prefix state (the torch backend's is
+    ``models.prefix.PrefixState``: per-layer KV of the prompt, last hidden state, next M-RoPE
+    position, and the autograd graph when made for the actor)."""
+
+    uid: str
+    version: Union[int, str]
+    graph_id: Optional[int]
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+class PrefixPasses(Protocol):
+    """The prefix/suffix decomposition of one training backend.
+
+    ``encode`` runs P prompts (and their images/videos) once and returns one state per prompt;
+    ``score`` runs only the response tokens of N responses against their prompt's state and
+    returns ((N, R) float32 log-probs, (N, R) float32 entropy or None). Both must equal the
+    full-sequence pass (log-probs to 1e-5, gradients through ``score`` into the prefix graph to
+    1e-4 relative). The torch backend's are ``models.prefix.encode_prefix``/``score_suffix``
+    (a transformers KV cache); a Megatron backend provides its own (its attention's KV or a
+    shared-prefix mask).
+    """
+
+    def encode(self, model, prompts: list, *, version: Union[int, str], with_grad: bool,
+               freeze_vision: bool) -> list[PrefixStateLike]: ...
+
+    def score(self, model, states: list[PrefixStateLike], group_index: torch.Tensor, response_ids: torch.Tensor,
+              response_mask: torch.Tensor, *, temperature: float,
+              with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
 
 class TrainEngine(abc.ABC):

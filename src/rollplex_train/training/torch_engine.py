@@ -24,11 +24,24 @@ from rollplex_train.data.types import TrainBatch
 from rollplex_train.device import compute_context, layout_device
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
+from rollplex_train.training.base import PrefixPasses
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
 from rollplex_train.training.base import TrainEngine, register_train_engine
 from rollplex_train.training.prefix_store import PrefixStore, StalePrefixError
 
 log = logging.getLogger(__name__)
+
+
+class HFPrefixPasses:
+    """The torch backend's :class:`PrefixPasses`: ``models.prefix`` over a transformers KV cache."""
+
+    def encode(self, model, prompts, *, version, with_grad: bool, freeze_vision: bool):
+        return encode_prefix(model, prompts, version=version, with_grad=with_grad, freeze_vision=freeze_vision)
+
+    def score(self, model, states, group_index, response_ids, response_mask, *, temperature: float,
+              with_entropy: bool):
+        return score_suffix(model, states, group_index, response_ids, response_mask, temperature=temperature,
+                            with_entropy=with_entropy)
 
 
 def _rows(batch: TrainBatch, rows: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
@@ -86,6 +99,7 @@ class TorchTrainEngine(TrainEngine):
         self.weights_version = 0
         self.param_version = 0  # optimizer steps taken by this process (keys actor prefix states)
         self.prefixes = PrefixStore(owner="train-worker")
+        self.prefix_passes: PrefixPasses = HFPrefixPasses()
         self._shared = None  # sharing.embedded.SharedActor once export_shared_weights() ran
         self._offloader = None  # memory.offload.ModuleOffloader on first offload_states()
 
@@ -111,8 +125,8 @@ class TorchTrainEngine(TrainEngine):
         states = [self.prefixes.take(p.uid, store_role, version) for p in prompts]
         local = torch.tensor([groups.index(g) for g in part["group_index"].tolist()], dtype=torch.long)
         with self._compute():
-            out = score_suffix(model, states, local, part["response_ids"], part["response_mask"],
-                               temperature=temperature, with_entropy=with_entropy)
+            out = self.prefix_passes.score(model, states, local, part["response_ids"], part["response_mask"],
+                                           temperature=temperature, with_entropy=with_entropy)
         for p in prompts:  # the suffix pass was the last consumer (backward holds its own references)
             self.prefixes.release(p.uid, store_role, version)
         return self._on_device(part), out
@@ -139,7 +153,7 @@ class TorchTrainEngine(TrainEngine):
         model = self.ref if store_role == "ref" else self.actor
         version = self._prefix_version(store_role)
         with torch.set_grad_enabled(store_role == "actor"), self._compute():
-            for state in encode_prefix(model, prompts, version=version, with_grad=store_role == "actor",
+            for state in self.prefix_passes.encode(model, prompts, version=version, with_grad=store_role == "actor",
                                        freeze_vision=self.model_cfg.freeze_vision_tower):
                 self.prefixes.put(store_role, state)
 
