@@ -201,7 +201,7 @@ def main(argv=None) -> int:
     parser.add_argument("--response-len", type=int, default=256)
     parser.add_argument("--frames", type=int, default=8)
     parser.add_argument("--side", type=int, default=448, help="frame side in px (448: 256 tokens per 2 frames)")
-    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--micro-batch", type=int, default=8, help="responses per micro-batch (one group)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--timed-from", type=int, default=4, help="first timed step (rollplex plans from step 4)")
     parser.add_argument("--compute-dtype", default="bfloat16", choices=("float32", "bfloat16"))

@@ -321,6 +321,8 @@ class TorchTrainEngine(TrainEngine):
 
     # ---- weights and checkpoints ------------------------------------------------------------------
     def rollout_weights(self) -> dict[str, torch.Tensor]:
+        if self.device.type == "cuda":  # the optimizer's kernels are done before another stream copies
+            torch.cuda.current_stream(self.device).synchronize()
         return {k: v.detach() for k, v in self.actor.state_dict().items()}
 
     def offload_states(self, parts: tuple[str, ...]) -> int:
