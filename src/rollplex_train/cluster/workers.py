@@ -4,7 +4,8 @@ They are thin: each builds its engine through the registry, pins its torch threa
 training ranks' torch.distributed group, resolves object-store references, and forwards calls. No
 algorithm code lives here. The same classes run as Ray actors (``RayExecutor``) or as objects in
 the driver (``InProcessExecutor``). On CPU colocated workers share the device's cores
-(``cluster.threads_per_device``); GPU device shares are not built yet.
+(``cluster.threads_per_device``); on a GPU, with ``cluster.device_share=streams|green``, each
+worker thread issues on a CUDA stream of its own (``device_share.py``).
 """
 
 from __future__ import annotations
