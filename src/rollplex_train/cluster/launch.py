@@ -60,7 +60,6 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
         TimeoutError: the Ray cluster cannot hold the devices.
     """
     from rollplex_train.cluster.workers import RolloutWorker, TrainWorker
-
     from rollplex_train.device_share import check_machine
 
     layout = ParallelLayout.from_config(cfg)
