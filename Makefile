@@ -14,9 +14,10 @@ ARTIFACTS := artifacts
 TINY_CKPT := $(ARTIFACTS)/checkpoints/tiny-qwen25vl
 SMALL_CKPT := $(ARTIFACTS)/checkpoints/small-qwen25vl
 TASKS := $(ARTIFACTS)/data/visual_tasks
+BENCH := $(ARTIFACTS)/data/bench
 EXPERIMENT ?= tiny_cpu
 
-.PHONY: install run test assets assets-small clean
+.PHONY: install run test assets assets-small assets-bench clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -24,7 +25,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 ifneq ($(HAS_GPU),1)
 	$(PIP) install -q torch==2.13.0
 endif
-	$(PIP) install -q $(PIP_CONSTRAINT_FLAGS) -e '.[dev]'
+	$(PIP) install -q $(PIP_CONSTRAINT_FLAGS) -e '.[dev,megatron]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -41,6 +42,12 @@ $(SMALL_CKPT)/config.json: $(TASKS)/train.parquet | install
 assets: $(TASKS)/train.parquet $(TINY_CKPT)/config.json
 
 assets-small: $(SMALL_CKPT)/config.json
+
+$(BENCH)/image/color_train.parquet: | install
+	$(VPY) scripts/make_bench_sets.py --out $(BENCH)
+
+# the benchmark workloads (conf/experiment/bench_*.yaml): small checkpoint, tasks, image/video sets
+assets-bench: assets assets-small $(BENCH)/image/color_train.parquet
 
 run: install assets
 	$(VENV)/bin/rollplex-train +experiment=$(EXPERIMENT)

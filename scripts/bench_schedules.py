@@ -2,6 +2,10 @@
 
     python scripts/bench_schedules.py            # bench_cpu workload, 3 rounds x 5 steps per schedule
 
+``serial_shared_old_pass`` runs ``serial_shared`` with ``actor.recompute_old_log_prob=true`` (the separate
+old-policy pass every schedule ran before the first mini-batch reused the actor's forward): the
+line before the last shows the saving.
+
 Each schedule runs `rollplex-train +experiment=bench_cpu` (same data, same seed) for ``--steps``
 steps; steps ``--timed-from``.. are timed (mean; rollplex calibrates its cost model in steps 1-3)
 and the last one is traced. The schedules run in ``--repeat`` interleaved rounds (this machine's
@@ -13,7 +17,6 @@ step times drift by up to 20% between runs); each schedule's median run is repor
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,7 +25,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from rollplex_train.models.tiny import make_tiny_checkpoint
-from rollplex_train.runtime.timeline import Span, Timeline, plot_gantt
+from rollplex_train.runtime.timeline import Timeline, plot_gantt
 from rollplex_train.tracking.loggers import read_metrics_jsonl
 
 SCHEDULES = {  # label -> overrides
@@ -30,7 +33,10 @@ SCHEDULES = {  # label -> overrides
     "serial_shared": ["schedule=serial", "model.shared_prefix=true"],
     "disaggregated": ["schedule=disaggregated", "model.shared_prefix=false"],
     "rollplex": ["schedule=rollplex", "model.shared_prefix=true"],
+    # today's separate old-policy pass (before the first mini-batch reused the actor's forward)
+    "serial_shared_old_pass": ["schedule=serial", "model.shared_prefix=true", "actor.recompute_old_log_prob=true"],
 }
+MAIN = ("serial", "serial_shared", "disaggregated", "rollplex")  # the schedules of the last line
 
 
 def bench_manifest(tasks: Path) -> Path:
@@ -43,15 +49,6 @@ def bench_manifest(tasks: Path) -> Path:
 
     pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(tasks / "color_train.parquet")), out)
     return out
-
-
-def timeline_from_trace(path: Path) -> Timeline:
-    data = json.loads(path.read_text())
-    rows = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"}
-    tl = Timeline()
-    tl.spans = [Span(e["name"], rows[e["tid"]], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-                for e in data["traceEvents"] if e["ph"] == "X"]
-    return tl
 
 
 def main() -> None:
@@ -86,7 +83,7 @@ def main() -> None:
             runs[label].append({k: sum(r[k] for r in rows) / len(rows) for k in rows[-1] if all(k in r for r in rows)})
             print(f"{label:<15} round {rep + 1}: step {runs[label][-1]['timing_s/step']:6.2f} s", flush=True)
             if rep == args.repeat - 1:
-                traces[label] = timeline_from_trace(out / "traces" / f"step_{args.steps}.json")
+                traces[label] = Timeline.from_chrome_trace(out / "traces" / f"step_{args.steps}.json")
     results = {}
     for label, measured in runs.items():  # the run with the median step time stands for the schedule
         last = sorted(measured, key=lambda m: m["timing_s/step"])[len(measured) // 2]
@@ -104,7 +101,10 @@ def main() -> None:
     plot_gantt({k: tl for k, (_, tl) in results.items()}, Path(args.out) / "gantt.png",
                title=f"bench_cpu, step {args.steps}")
     step = {k: m["timing_s/step"] for k, (m, _) in results.items()}
-    if set(step) == set(SCHEDULES):
+    if "serial_shared_old_pass" in step and "serial_shared" in step:
+        print(f"old-policy reuse: serial_shared step {step['serial_shared']:.2f} s, with the separate old-policy "
+              f"pass {step['serial_shared_old_pass']:.2f} s (saved {step['serial_shared_old_pass'] - step['serial_shared']:.2f} s)")
+    if set(MAIN) <= set(step):
         hidden = results["rollplex"][0]["rollplex/prefix_hidden_frac"] * 100
         print(f"schedules: rollplex/serial={step['serial'] / step['rollplex']:.2f} "
               f"rollplex/serial_shared={step['serial_shared'] / step['rollplex']:.2f} "

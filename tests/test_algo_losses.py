@@ -73,6 +73,66 @@ def test_policy_loss_gradient_zero_on_clipped_tokens():
     torch.testing.assert_close(logprob.grad, expected)
 
 
+def test_dual_clip_bounds_negative_advantage_loss_like_verl():
+    """ratio 5 with A = -1: plain PPO gives loss 5.0; verl's dual clip bounds it at clip_ratio_c = 3.
+    Row layout (N=1, R=4): ratios [5, 2, 5, 0.5], A [-1, -1, +1, -1]:
+      t0: max(5, 1.2) = 5 -> min(5, 3) = 3   (bounded, counted in pg_clipfrac_lower)
+      t1: max(2, 1.2) = 2 -> min(2, 3) = 2
+      t2: A > 0: max(-5, -1.2) = -1.2        (no lower bound for A > 0)
+      t3: max(0.5, 0.8) = 0.8 -> 0.8
+    token-mean = (3 + 2 - 1.2 + 0.8) / 4 = 1.15; pg_clipfrac_lower = 1/4; pg_clipfrac = 2/4 (t2, t3)."""
+    old = torch.zeros(1, 4)
+    logprob = torch.log(torch.tensor([[5.0, 2.0, 5.0, 0.5]])).requires_grad_(True)
+    adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, metrics = policy_loss(logprob, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                                loss_agg_mode="token-mean", clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx(1.15, abs=1e-6)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(0.25)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)
+    loss.backward()  # the bounded token (t0) and the clipped ones (t2, t3) pass no gradient
+    torch.testing.assert_close(logprob.grad, torch.tensor([[0.0, 2.0 / 4, 0.0, 0.0]]))
+    single, _ = policy_loss(torch.log(torch.tensor([[5.0]])), torch.zeros(1, 1), -torch.ones(1, 1),
+                            torch.ones(1, 1), clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean")
+    assert single.item() == pytest.approx(3.0)  # verl's default clip_ratio_c
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        policy_loss(logprob, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2,
+                    loss_agg_mode="token-mean", clip_ratio_c=1.0)
+
+
+def _verl_policy_loss(old_log_prob, log_prob, advantages, response_mask, low, high, clip_ratio_c):
+    """verl ``core_algos.compute_policy_loss`` (vanilla, token-mean), transcribed for comparison."""
+    def masked_mean(x, m):
+        return (x * m).sum() / m.sum()
+
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    return masked_mean(pg_losses, response_mask), pg_clipfrac, pg_clipfrac_lower
+
+
+def test_policy_loss_equals_verl_on_random_inputs():
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(6, 9, generator=g) * 3
+    logprob = old + torch.randn(6, 9, generator=g) * 1.5  # ratios from ~0.01 to ~90: every branch taken
+    adv = torch.randn(6, 9, generator=g)
+    mask = (torch.rand(6, 9, generator=g) > 0.2).float()
+    loss, metrics = policy_loss(logprob, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                                loss_agg_mode="token-mean", clip_ratio_c=2.5)
+    ref_loss, ref_clipfrac, ref_lower = _verl_policy_loss(old, logprob, adv, mask, 0.2, 0.28, 2.5)
+    assert 0 < float(ref_lower) < 1
+    assert loss.item() == pytest.approx(float(ref_loss), abs=1e-6)
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(float(ref_clipfrac), abs=1e-6)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(float(ref_lower), abs=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------
 # agg_loss
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rollplex_train.algo.rewards import (
+    RewardFailure,
     RewardManager,
     auto_reward,
     choice_reward,
@@ -132,11 +133,37 @@ def test_manager_user_function_failures_are_logged_scored_zero_and_counted(tmp_p
     assert metrics["reward/failed"] == 3.0
     assert metrics["reward/accuracy"] == pytest.approx(0.25)
     assert metrics["reward/format"] == pytest.approx(0.25)
-    text = caplog.text
-    assert "uid-raise" in text and "kaboom" in text
-    assert "uid-nan" in text and "uid-str" in text
-    assert "uid-ok" not in text
+    # one warning for the call: the count and the first failure of each kind (not one per sample)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "failed on 3 of 4 samples" in warnings[0]
+    assert "uid=uid-raise raised RuntimeError: kaboom" in warnings[0]
+    assert "uid=uid-nan returned nan" in warnings[0]
+    assert "uid-str" not in warnings[0] and "uid-ok" not in warnings[0]
     assert all(math.isfinite(s) for s in scores.tolist())
+
+
+def test_manager_stops_when_the_failed_fraction_is_reached(tmp_path, caplog):
+    path = tmp_path / "broken.py"
+    path.write_text("def score(response, ground_truth):\n    raise KeyError('no such field')\n")
+    manager = RewardManager(f"{path}:score", format_weight=0.0)  # max_failed_frac=1.0: all must fail
+    with pytest.raises(RewardFailure, match=r"failed on 3 of 3 samples .*uid=u0 raised KeyError: 'no such field'.*"
+                                            r"reward.max_failed_frac=1"):
+        manager.score(["a", "b", "c"], ["1", "1", "1"], ["u0", "u1", "u2"])
+    half = RewardManager(f"{path}:score", format_weight=0.0, max_failed_frac=0.5)
+    with pytest.raises(RewardFailure):
+        half.score(["a"], ["1"], ["u0"])
+    ok = RewardManager("auto", format_weight=0.0, max_failed_frac=0.5)
+    scores, metrics = ok.score([r"\boxed{1}", "x"], ["1", "2"], ["u0", "u1"])
+    assert scores.tolist() == [1.0, 0.0] and metrics["reward/failed"] == 0.0
+    with pytest.raises(ValueError, match="reward.max_failed_frac"):
+        RewardManager("auto", format_weight=0.0, max_failed_frac=0.0)
+    message = ""
+    try:
+        manager.score(["a"], ["1"], ["u0"])
+    except RewardFailure as err:
+        message = str(err)
+    assert "\n" not in message  # one line
 
 
 def test_manager_errors():
@@ -145,3 +172,58 @@ def test_manager_errors():
     manager = RewardManager("auto", format_weight=0.0)
     with pytest.raises(ValueError, match="equal lengths"):
         manager.score(["a"], ["a", "b"], ["u"], [[]])
+
+
+def _failing_reward_batch(tmp_path, on_failure: str):
+    """One group of 4 responses; the user function raises on 'boom' and returns None on 'none'."""
+    from rollplex_train.config import Config, RewardConfig
+    from rollplex_train.data.types import PromptSample, Response, VisionInputs
+    from rollplex_train.runtime import batching
+
+    path = tmp_path / "partial.py"
+    path.write_text(
+        "def score(response, ground_truth):\n"
+        "    if response == 'boom':\n"
+        "        raise ValueError('cannot parse')\n"
+        "    if response == 'none':\n"
+        "        return None\n"
+        "    return float(response == ground_truth)\n"
+    )
+    cfg = Config(reward=RewardConfig(function=f"{path}:score", on_failure=on_failure))
+    manager = RewardManager(cfg.reward.function, cfg.reward.format_weight)
+    prompt = PromptSample(uid="p0", prompt_ids=torch.tensor([1, 2]), vision=VisionInputs(), ground_truth="7")
+    texts = ["7", "3", "boom", "none", "7", "5"]
+    responses = [Response(prompt_index=0, token_ids=torch.tensor([5, 6]), logprobs=torch.zeros(2), text=t,
+                          finish_reason="stop") for t in texts]
+    batch = batching.to_train_batch([prompt], responses, pad_id=0)
+    scores, metrics = batching.score_responses(manager, batch, responses)
+    batching.add_advantages(cfg, batch, scores)
+    return batch, scores, metrics
+
+
+def test_failed_reward_excluded_from_group_baseline(tmp_path):
+    batch, scores, metrics = _failing_reward_batch(tmp_path, "exclude")
+    assert metrics["reward/failed"] == 2.0
+    assert batch.reward_failed.tolist() == [False, False, True, True, False, False]
+    # GRPO over the 4 scored responses [1, 0, 1, 0]: mean 0.5, unbiased std sqrt(1/3)
+    std = math.sqrt(1 / 3)
+    expected = torch.tensor([0.5, -0.5, 0.0, 0.0, 0.5, -0.5]) / (std + 1e-6)
+    torch.testing.assert_close(batch.advantages[:, 0], expected)
+    assert torch.all(batch.advantages[2:4] == 0)
+
+
+def test_failed_reward_zero_stays_in_group_baseline(tmp_path):
+    batch, scores, metrics = _failing_reward_batch(tmp_path, "zero")
+    assert metrics["reward/failed"] == 2.0
+    # scores [1, 0, 0, 0, 1, 0]: mean 1/3, unbiased std sqrt(4/15); the failures are trained as wrong
+    values = torch.tensor([1.0, 0, 0, 0, 1, 0])
+    expected = (values - values.mean()) / (values.std() + 1e-6)
+    torch.testing.assert_close(batch.advantages[:, 0], expected)
+    assert batch.advantages[2, 0] < 0
+
+
+def test_reward_on_failure_choices():
+    from rollplex_train.config import RewardConfig
+
+    with pytest.raises(ValueError, match="reward.on_failure"):
+        RewardConfig(on_failure="ignore")

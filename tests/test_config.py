@@ -58,6 +58,7 @@ def test_misspelt_key_is_an_error(override):
         ("data.rollout_batch_size=0", "data.rollout_batch_size"),
         ("actor.ppo_mini_batch_size=3", "actor.ppo_mini_batch_size"),
         ("model.shared_prefix=false", "model.shared_prefix"),
+        ("actor.clip_ratio_c=0.5", "actor.clip_ratio_c"),
     ],
 )
 def test_bad_value_names_the_key(override, message):

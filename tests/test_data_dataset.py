@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from rollplex_train.config import DataConfig
-from rollplex_train.data.dataset import PromptDataset, PromptLoader, load_table
+from rollplex_train.data.dataset import PromptDataset, load_table
+from rollplex_train.data.loader import PromptLoader
 from rollplex_train.data.synthetic import MANIFEST_SCHEMA, VisualTaskSpec, generate_visual_tasks
 
 NUM_TRAIN = 8  # per task
@@ -104,6 +105,47 @@ def test_bad_rows_skipped_counted_warned(tasks_dir: Path, tokenizer, caplog):
                           "too_long": 1}
 
 
+def test_empty_problem_is_empty_prompt(tasks_dir: Path, tokenizer, caplog):
+    """An empty problem with one image is not a placeholder mismatch: the prompt is missing."""
+    good = _good_row(tasks_dir)
+    files = _write_rows(tasks_dir / "empty_problem.parquet", [good, {**good, "problem": ""},
+                                                              {**good, "problem": "  \n", "images": []}])
+    ds = PromptDataset(_cfg(files), tokenizer, files, "train")
+    _assert_skipped(ds, 1, "empty_prompt", caplog, "empty_problem.parquet", 1)
+    _assert_skipped(ds, 2, "empty_prompt", caplog, "empty_problem.parquet", 2)
+    assert ds.skipped == {"empty_prompt": 2} and ds.get(0) is not None
+
+
+def test_jsonl_answers_arrive_byte_exact(tasks_dir: Path, tokenizer, caplog):
+    """One JSON-number answer must not retype the column: every string answer arrives as written,
+    the number becomes its JSON text and is counted as coerced_answer."""
+    good = _good_row(tasks_dir)
+    answers = [30, "1.50", "007", "1e3", "true", "null", "[1, 2]", "  spaced  ", "\u00e9t\u00e9", [3, 4]]
+    path = tasks_dir / "answers.jsonl"
+    lines = [json.dumps({"problem": good["problem"], "answer": a, "images": good["images"]}) for a in answers]
+    path.write_text("\n".join(lines[:5]) + "\n\n" + "\n".join(lines[5:]) + "\n")  # a blank line is ignored
+    ds = PromptDataset(_cfg(str(path)), tokenizer, str(path), "train")
+    assert len(ds) == len(answers)
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.data.dataset"):
+        truths = [ds.get(i).ground_truth for i in range(len(ds))]
+        ds.get(0)  # a second look counts nothing again
+    assert truths == ["30", "1.50", "007", "1e3", "true", "null", "[1, 2]", "  spaced  ", "\u00e9t\u00e9", "[3, 4]"]
+    assert ds.coerced == {"coerced_answer": 2} and not ds.skipped
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and "answers.jsonl row 0" in warnings[0] and "coerced_answer" in warnings[0]
+
+
+def test_jsonl_bad_lines_are_skipped_and_counted(tasks_dir: Path, tokenizer, caplog):
+    good = _good_row(tasks_dir)
+    row = json.dumps({"problem": good["problem"], "answer": "red", "images": good["images"]})
+    path = tasks_dir / "bad_lines.jsonl"
+    path.write_text("\n".join([row, "{not json", "[1, 2]", json.dumps({**json.loads(row), "answer": None})]))
+    ds = PromptDataset(_cfg(str(path)), tokenizer, str(path), "train")
+    assert ds.get(0).ground_truth == "red"
+    for index in (1, 2, 3):
+        _assert_skipped(ds, index, "bad_schema", caplog, "bad_lines.jsonl", index)
+
+
 def test_images_not_a_list_is_bad_schema(tasks_dir: Path, tokenizer, caplog):
     good = _good_row(tasks_dir)
     path = tasks_dir / "strings.jsonl"
@@ -130,6 +172,29 @@ def test_hf_image_feature_rows(tasks_dir: Path, tokenizer, caplog):
     assert sample is not None and sample.vision.image_grid_thw.tolist() == [[1, 4, 4]]
     assert sample.options == [] and sample.task == "default"
     _assert_skipped(ds, 1, "corrupt_media", caplog, "hf_images.parquet", 1)
+
+
+def test_exif_rotated_jpeg_same_pixels_on_jsonl_and_parquet(tasks_dir: Path, tokenizer):
+    """A phone JPEG (stored 320x240, EXIF Orientation 6) reaches the model upright from a jsonl path
+    and from parquet bytes alike: a 240x320 picture is a grid taller than wide."""
+    import datasets
+
+    from test_data_vision import exif_rotated_jpeg
+
+    data = exif_rotated_jpeg()
+    (tasks_dir / "media" / "phone.jpg").write_bytes(data)
+    problem = "<image>What colour is the top half?"
+    jsonl = tasks_dir / "phone.jsonl"
+    jsonl.write_text(json.dumps({"problem": problem, "answer": "red", "images": ["media/phone.jpg"]}) + "\n")
+    parquet = tasks_dir / "phone.parquet"
+    datasets.Dataset.from_dict({"problem": [problem], "answer": ["red"], "images": [[{"bytes": data, "path": None}]]}
+                               ).cast_column("images", datasets.List(datasets.Image())).to_parquet(str(parquet))
+    cfg = _cfg(str(jsonl), max_pixels=240 * 320)
+    by_path = PromptDataset(cfg, tokenizer, str(jsonl), "train").get(0)
+    by_bytes = PromptDataset(cfg, tokenizer, str(parquet), "train").get(0)
+    grid = by_path.vision.image_grid_thw.tolist()
+    assert grid == by_bytes.vision.image_grid_thw.tolist() == [[1, 22, 16]]  # smart_resize(320, 240): 308x224
+    assert torch.equal(by_path.vision.pixel_values, by_bytes.vision.pixel_values)
 
 
 def test_file_level_errors(tasks_dir: Path, tokenizer):
@@ -195,6 +260,65 @@ def test_loader_deterministic_and_resumable(tasks_dir: Path, tokenizer):
     assert after[1] != first[0]  # a new permutation each epoch
     other = PromptLoader(ds, batch_size=5, shuffle=True, seed=8)
     assert _uids(other.next_batch()[0]) != first[0]
+
+
+def test_resume_on_changed_data_refused_or_restarts_epoch(tasks_dir: Path, tokenizer, caplog):
+    """A 6-of-8 position must not be applied to a 5-row file (it would silently roll into epoch 1)."""
+    rows = pq.read_table(tasks_dir / "color_train.parquet").to_pylist()
+    eight = _write_rows(tasks_dir / "eight.parquet", rows[:8])
+    five = _write_rows(tasks_dir / "five.parquet", rows[:5])
+    saved = PromptLoader(PromptDataset(_cfg(eight), tokenizer, eight, "train"), batch_size=2, shuffle=False, seed=0)
+    for _ in range(3):
+        saved.next_batch()
+    state = saved.state_dict()
+    assert (state["epoch"], state["position"]) == (0, 6) and len(state["data_fingerprint"]) == 64
+
+    same = PromptLoader(PromptDataset(_cfg(eight), tokenizer, eight, "train"), batch_size=2, shuffle=False, seed=0)
+    same.load_state_dict(state)
+    assert _uids(same.next_batch()[0]) == ["train:6", "train:7"]
+
+    other = PromptLoader(PromptDataset(_cfg(five), tokenizer, five, "train"), batch_size=2, shuffle=False, seed=0)
+    with pytest.raises(ValueError, match="five.parquet.*data.resume_on_changed_data=true"):
+        other.load_state_dict(state)
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.data.loader"):
+        other.load_state_dict(state, resume_on_changed_data=True)
+    assert "restarts" in caplog.text
+    assert (other.epoch, other.position) == (0, 0)
+    assert _uids(other.next_batch()[0]) == ["train:0", "train:1"]  # epoch 0 from its start
+
+    moved = tasks_dir / "moved"
+    moved.mkdir(exist_ok=True)
+    copy = moved / "renamed.parquet"
+    copy.write_bytes(Path(eight).read_bytes())  # same bytes elsewhere: the same data
+    again = PromptLoader(PromptDataset(_cfg(str(copy)), tokenizer, str(copy), "train"), batch_size=2, shuffle=False,
+                         seed=0)
+    again.load_state_dict(state)
+    assert again.position == 6
+
+
+def test_trainer_refuses_resume_on_changed_data_before_ray(tasks_dir: Path, tiny_ckpt_qwen25, tmp_path):
+    from rollplex_train.config import Config, ModelConfig, TrainerConfig
+    from rollplex_train.tracking.checkpoint import save_json
+    from rollplex_train.trainer import Trainer
+
+    rows = pq.read_table(tasks_dir / "color_train.parquet").to_pylist()
+    eight = _write_rows(tasks_dir / "eight_t.parquet", rows[:8])
+    five = _write_rows(tasks_dir / "five_t.parquet", rows[:5])
+
+    def config(files: str, resume: str = str(tmp_path / "ckpt"), **data) -> Config:
+        return Config(model=ModelConfig(path=str(tiny_ckpt_qwen25)),
+                      data=DataConfig(train_files=files, val_files="", rollout_batch_size=2, shuffle=False, **data),
+                      trainer=TrainerConfig(output_dir=str(tmp_path / "run"), resume=resume, loggers=["jsonl"]))
+
+    first = Trainer(config(eight, resume="disable"), tmp_path / "run")
+    for _ in range(3):
+        first.loader.next_batch()
+    (tmp_path / "ckpt").mkdir()
+    save_json({"step": 3, "loader": first.loader.state_dict()}, tmp_path / "ckpt" / "trainer_state.json")
+    with pytest.raises(ValueError, match="data.resume_on_changed_data"):
+        Trainer(config(five), tmp_path / "run")
+    Trainer(config(five, resume_on_changed_data=True), tmp_path / "run")  # accepted; the epoch restarts at resume
+    Trainer(config(eight), tmp_path / "run")  # the same data resumes
 
 
 def test_loader_skips_bad_rows(tasks_dir: Path, tokenizer):

@@ -14,7 +14,7 @@ import torch
 
 from rollplex_train.tracking.loggers import read_metrics_jsonl
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]  # each test starts up to 3 runs
 
 COMMON = ["trainer.total_steps=3", "trainer.save_freq=1", "trainer.val_freq=0", "trainer.val_before_train=false",
           "data.rollout_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "actor.micro_batch_size=4",
@@ -37,26 +37,27 @@ def _numeric(record: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(embedded_assets, run_cli, tmp_path_factory):
-    """name -> output dir of each finished run (names: <agg>-<schedule>-dp<k>)."""
+    """``runs(agg, schedule, dp)`` -> output dir of that finished run (each run once per module)."""
     root = tmp_path_factory.mktemp("dp")
-    plan = {"token-mean": [("serial", 1), ("serial", 2), ("rollplex", 2)],
-            "seq-mean-token-mean": [("serial", 1), ("rollplex", 2)]}
-    outs = {}
-    for agg, variants in plan.items():
-        for schedule, dp in variants:
-            name = f"{agg}-{schedule}-dp{dp}"
+    done: dict[str, object] = {}
+
+    def get(agg: str, schedule: str, dp: int):
+        name = f"{agg}-{schedule}-dp{dp}"
+        if name not in done:
             out = root / name
             proc = run_cli(out, *COMMON, f"actor.loss_agg_mode={agg}", f"schedule={schedule}",
                            *(DP1 if dp == 1 else DP2))
             assert proc.returncode == 0, (name, proc.stderr[-4000:])
-            outs[name] = out
-    return outs
+            done[name] = out
+        return done[name]
+
+    return get
 
 
 @pytest.mark.parametrize("agg, schedule", [("token-mean", "serial"), ("token-mean", "rollplex"),
                                            ("seq-mean-token-mean", "rollplex")])
 def test_dp2_trains_like_dp1(runs, agg, schedule):
-    one, two = runs[f"{agg}-serial-dp1"], runs[f"{agg}-{schedule}-dp2"]
+    one, two = runs(agg, "serial", 1), runs(agg, schedule, 2)
     m1, m2 = read_metrics_jsonl(one / "metrics.jsonl"), read_metrics_jsonl(two / "metrics.jsonl")
     assert [r["step"] for r in m2] == [1, 2, 3]
     for a, b in zip(m1, m2):
@@ -72,7 +73,7 @@ def test_dp2_trains_like_dp1(runs, agg, schedule):
 
 
 def test_dp2_resume_after_kill_matches_uninterrupted(runs, run_cli, tmp_path):
-    uninterrupted = runs["token-mean-serial-dp2"]
+    uninterrupted = runs("token-mean", "serial", 2)
     out = tmp_path / "killed"
     args = [*COMMON, "actor.loss_agg_mode=token-mean", "schedule=serial", *DP2]
     killed = run_cli(out, *args, env={"ROLLPLEX_KILL_AT_STEP": "3"})
@@ -94,7 +95,7 @@ def test_dp2_resume_after_kill_matches_uninterrupted(runs, run_cli, tmp_path):
 
 def test_resume_on_another_dp_size(runs, run_cli, tmp_path):
     """A DP=2 checkpoint resumed with DP=1 (in process) trains step 3 as the DP=2 run did."""
-    two = runs["token-mean-serial-dp2"]
+    two = runs("token-mean", "serial", 2)
     out = tmp_path / "dp1_from_dp2"
     resumed = run_cli(out, *COMMON, "actor.loss_agg_mode=token-mean", "schedule=serial", *DP1,
                       f"trainer.resume={two / 'checkpoints' / 'global_step_2'}")

@@ -79,8 +79,10 @@ def test_rollout_logprobs_equal_full_forward_text_only(tiny_ckpt, make_text_prom
 
 
 def test_full_forward_equals_hf_forward(tiny_ckpt, mixed_prompts, tiny_tokenizer):
-    """response_logprobs (explicit M-RoPE positions, R rows through the head) == HF's own forward,
-    which computes the positions itself from ``mm_token_type_ids``."""
+    """response_logprobs (our embedding, R rows through the head) == HF's own forward given the same
+    M-RoPE positions; and those positions are HF's own wherever transformers 5.24 follows the
+    reference rule (images; Qwen2-VL videos), differing only after a Qwen2.5-VL video whose
+    temporal positions outrun its spatial ones (models/rope.py)."""
     from rollplex_train.models.loading import load_model
 
     model = load_model(tiny_ckpt)
@@ -98,8 +100,14 @@ def test_full_forward_equals_hf_forward(tiny_ckpt, mixed_prompts, tiny_tokenizer
         kwargs = vision_kwargs(vision)
         if model.config.model_type == "qwen2_5_vl":
             kwargs["second_per_grid_ts"] = vision.second_per_grid_ts
-        logits = model(input_ids=ids, attention_mask=mask, mm_token_type_ids=mm_token_type_ids(model, ids),
-                       **kwargs).logits.float()
+        ours, _ = rope_positions(model, ids, mask, vision)
+        hf, _ = model.model.get_rope_index(input_ids=ids, attention_mask=mask, **{
+            k: v for k, v in kwargs.items() if k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")},
+            mm_token_type_ids=mm_token_type_ids(model, ids))
+        assert torch.equal(ours[:, :2], hf[:, :2])  # the two image rows
+        video = model.config.model_type == "qwen2_5_vl"  # 1 s per grid step, 2 tokens/s: t reaches 2, h/w 1
+        assert torch.equal(ours[:, 2], hf[:, 2]) != video
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=ours, **kwargs).logits.float()
     log_softmax = logits.log_softmax(-1)
     expected = torch.zeros(3, 5)
     expected_entropy = torch.zeros(3, 5)

@@ -56,3 +56,17 @@ def test_degrees_a_backend_cannot_run_are_refused():
         Config(cluster=ClusterConfig(devices_per_node=2), actor=ActorConfig(tensor_parallel_size=2))
     with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=2: the builtin"):
         Config(cluster=ClusterConfig(devices_per_node=2), rollout=RolloutConfig(tensor_parallel_size=2))
+
+
+def test_cli_refuses_what_a_backend_cannot_honour_before_ray(embedded_assets, run_cli, tmp_path):
+    """Settings a chosen backend cannot run end in one line (exit 2) before Ray starts."""
+    cases = {"megatron_shared": (["actor.backend=megatron"], "sharing.enabled"),
+             "torch_tp2": (["actor.tensor_parallel_size=2", "cluster.devices_per_node=2"],
+                           "actor.tensor_parallel_size=2"),
+             "cuda_without_gpu": (["cluster.device=cuda"], "cluster.device=cuda")}
+    for name, (overrides, key) in cases.items():
+        out = tmp_path / name
+        proc = run_cli(out, *overrides)
+        assert proc.returncode == 2, (name, proc.stderr[-2000:])
+        assert key in proc.stderr and "Traceback" not in proc.stderr, (name, proc.stderr[-2000:])
+        assert not (out / "ray").exists(), name

@@ -50,21 +50,37 @@ def test_jsonl_values_nan_and_resume_append(tmp_path: Path) -> None:
     second = json.loads(lines[1])  # strict JSON: non-finite -> null
     assert second == {"step": 2, "critic/score/mean": None, "x": None}
 
-    # A crash mid-line, then a resumed run that re-logs step 2: appended on a fresh line.
+    # A crash mid-line after step 3 was logged; the checkpoint is at step 1: the resumed run cuts
+    # the file back to step 1 and logs step 2 again, so every step appears once.
     with open(path, "a") as f:
-        f.write('{"step": 3, "trunc')
-    with Tracker(["jsonl"], tmp_path, "p", "e", {}) as tracker:
+        f.write('{"step": 3, "x": 1.0}\n{"step": 4, "trunc')
+    with Tracker(["jsonl"], tmp_path, "p", "e", {}, resume_step=1) as tracker:
         tracker.log({"critic/score/mean": 0.75}, step=2)
-    records = read_metrics_jsonl(path)
-    assert [r["step"] for r in records] == [1, 2]
-    assert records[1]["critic/score/mean"] == 0.75  # last record per step wins
-    assert len(path.read_text().splitlines()) == 4
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert json.loads(lines[0]) == first and json.loads(lines[1])["critic/score/mean"] == 0.75
 
     # A fresh run (resume disabled) in the same directory starts a new file, keeping one backup.
-    with Tracker(["jsonl"], tmp_path, "p", "e", {}, fresh=True) as tracker:
+    with Tracker(["jsonl"], tmp_path, "p", "e", {}) as tracker:
         tracker.log({"critic/score/mean": 0.1}, step=1)
     assert [r["step"] for r in read_metrics_jsonl(path)] == [1]
-    assert len((tmp_path / "metrics.jsonl.prev").read_text().splitlines()) == 4
+    assert len((tmp_path / "metrics.jsonl.prev").read_text().splitlines()) == 2
+
+
+def test_resume_keeps_one_tensorboard_history(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with Tracker(["tensorboard"], tmp_path, "p", "e", {"lr": 1.0}) as tracker:
+        for step in (1, 2, 3, 4):  # crashed after step 4, last checkpoint at step 2
+            tracker.log({"critic/score/mean": float(step)}, step=step)
+    with Tracker(["tensorboard"], tmp_path, "p", "e", {"lr": 1.0}, resume_step=2) as tracker:
+        for step in (3, 4, 5):
+            tracker.log({"critic/score/mean": 10.0 * step}, step=step)
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    got = [(e.step, e.value) for e in acc.Scalars("critic/score/mean")]
+    assert got == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0), (5, 50.0)]
 
 
 def test_non_numeric_metric_names_key(tmp_path: Path) -> None:
@@ -103,20 +119,28 @@ def test_tensorboard_scalar_readback(tmp_path: Path) -> None:
     assert [(e.step, e.value) for e in events] == [(1, 0.5), (2, 0.75)]
 
 
-def test_wandb_mode_from_env() -> None:
-    assert wandb_mode_from_env({}) == "offline"
-    assert wandb_mode_from_env({"WANDB_API_KEY": "k"}) == "online"
-    assert wandb_mode_from_env({"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}) == "offline"
-    assert wandb_mode_from_env({"WANDB_MODE": "disabled"}) == "disabled"
+def test_wandb_mode_from_env(tmp_path: Path) -> None:
+    empty = {"HOME": str(tmp_path)}  # no ~/.netrc there
+    assert wandb_mode_from_env(empty) == "offline"
+    assert wandb_mode_from_env({**empty, "WANDB_API_KEY": "k"}) == "online"
+    assert wandb_mode_from_env({**empty, "WANDB_API_KEY": "k", "WANDB_MODE": "offline"}) == "offline"
+    assert wandb_mode_from_env({**empty, "WANDB_MODE": "disabled"}) == "disabled"
+    # `wandb login` stores the key in ~/.netrc: online without WANDB_API_KEY
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    assert wandb_mode_from_env(empty) == "online"
+    assert wandb_mode_from_env({**empty, "WANDB_BASE_URL": "https://wandb.example.org"}) == "offline"  # other host
+    other = tmp_path / "other_netrc"
+    other.write_text("machine wandb.example.org login user password " + "k" * 40 + "\n")
+    assert wandb_mode_from_env({**empty, "NETRC": str(other), "WANDB_BASE_URL": "https://wandb.example.org"}) == "online"
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login")  # malformed: no login
+    assert wandb_mode_from_env(empty) == "offline"
 
 
-def test_wandb_offline_stays_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    home = tmp_path / "home"
+def _isolated_wandb_env(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    # Any network attempt would go to closed local ports and fail loudly.
+    monkeypatch.delenv("NETRC", raising=False)
+    # Any network attempt goes to a closed local port and fails at once.
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
         monkeypatch.setenv(var, "http://127.0.0.1:9")
@@ -124,6 +148,47 @@ def test_wandb_offline_stays_local(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(home / "should_not_be_used"))
     monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+def test_wandb_unreachable_server_falls_back_offline_within_the_timeout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    _isolated_wandb_env(monkeypatch, tmp_path / "home")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # online requested, server unreachable
+    out = tmp_path / "run"
+    start_s = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.tracking.wandb_run"):
+        tracker = Tracker(["wandb"], out, "proj", "exp", {}, wandb_run_id="fallback1", wandb_init_timeout_s=3.0)
+    init_s = time.perf_counter() - start_s
+    tracker.log({"critic/score/mean": 0.5}, step=1)
+    tracker.close()
+    assert init_s < 3.0 + 15.0  # bounded by the timeout (plus the offline start), not wandb's 90 s
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "online start failed" in warnings[0] and "127.0.0.1:9" in warnings[0]
+    assert tracker.wandb_run_id == "fallback1"
+    assert [p.name.endswith("-fallback1") for p in (out / "wandb" / "wandb").glob("offline-run-*")] == [True]
+
+
+def test_wandb_resume_continues_the_run_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _isolated_wandb_env(monkeypatch, tmp_path / "home")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    first = Tracker(["wandb"], out, "proj", "exp", {})
+    run_id = first.wandb_run_id
+    first.close()
+    assert isinstance(run_id, str) and len(run_id) == 8
+    resumed = Tracker(["wandb"], out, "proj", "exp", {}, resume_step=3, wandb_run_id=run_id)
+    resumed.close()
+    assert resumed.wandb_run_id == run_id
+    runs = sorted(p.name for p in (out / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(f"-{run_id}" in name for name in runs)  # "-1" added within one second
+
+
+def test_wandb_offline_stays_local(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    _isolated_wandb_env(monkeypatch, home)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
     attempts: list[object] = []
     real_connect = socket.socket.connect
 
@@ -183,6 +248,28 @@ def test_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
         bar.update({"critic/score/mean": float("nan")})
     err = capsys.readouterr().err
     assert "score=0.5" in err and "step_s=1.2" in err
+
+
+def test_progress_bar_prints_log_lines_above_itself(capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+    import sys
+
+    root = logging.getLogger()
+    handler = logging.StreamHandler(sys.stderr)  # a console handler as Hydra's job logging installs
+    root.addHandler(handler)
+    try:
+        with ProgressBar(total=3, enabled=True) as bar:
+            bar.update({"critic/score/mean": 0.5})
+            logging.getLogger("rollplex_train.test").warning("a log line")
+            bar.update({"critic/score/mean": 0.6})
+        logging.getLogger("rollplex_train.test").warning("after the bar")
+        assert root.handlers[-1] is handler  # the redirect is undone at close
+    finally:
+        root.removeHandler(handler)
+    err = capsys.readouterr().err
+    segments = [seg for seg in re.split(r"[\r\n]", err) if "a log line" in seg]
+    assert segments == ["a log line"]  # on its own line, not glued to the bar's text
+    assert "after the bar\n" in err
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -350,3 +437,20 @@ def test_export_hf_round_trip(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no_such_dir"):
         export_hf(model, tokenizer, out, extra_files_from=tmp_path / "no_such_dir")
     assert (out / "preprocessor_config.json").exists()  # failed export left the old one intact
+
+
+def test_val_accuracy_plot(tmp_path: Path) -> None:
+    from rollplex_train.tracking.plots import plot_val_accuracy, val_accuracy_curves
+
+    with Tracker(["jsonl"], tmp_path, "p", "e", {}) as tracker:
+        tracker.log({"val/accuracy": 0.3, "val/color/accuracy": 0.25, "val/count/accuracy": 0.35}, step=0)
+        tracker.log({"critic/score/mean": 0.5}, step=1)
+        tracker.log({"val/accuracy": 0.6, "val/color/accuracy": 0.9, "val/count/accuracy": float("nan")}, step=2)
+    curves = val_accuracy_curves(read_metrics_jsonl(tmp_path / "metrics.jsonl"))
+    assert curves == {"all": [(0, 0.3), (2, 0.6)], "color": [(0, 0.25), (2, 0.9)], "count": [(0, 0.35)]}
+    path = plot_val_accuracy(tmp_path)
+    assert path == tmp_path / "val_accuracy.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "no_val"
+    with Tracker(["jsonl"], empty, "p", "e", {}) as tracker:
+        tracker.log({"critic/score/mean": 0.5}, step=1)
+    assert plot_val_accuracy(empty) is None and not (empty / "val_accuracy.png").exists()

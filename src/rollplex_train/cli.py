@@ -37,8 +37,31 @@ def _user_errors(program: str):
         raise SystemExit(2) from err
 
 
+@contextlib.contextmanager
+def _run_errors(trainer):
+    """Around ``Trainer.fit``: Ctrl-C (SIGINT) ends the run with one line naming the last
+    checkpoint and exit code 130 (128 + SIGINT, the shell's convention); a reward function that
+    fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1."""
+    from rollplex_train.algo.rewards import RewardFailure
+
+    try:
+        yield
+    except KeyboardInterrupt:
+        last = trainer.last_checkpoint()
+        where = (f"last checkpoint {last} (the same command resumes from it)" if last is not None
+                 else "no checkpoint was written")
+        sys.stderr.write(f"\nrollplex-train: interrupted at step {trainer.step}; {where}\n")
+        raise SystemExit(130) from None
+    except RewardFailure as err:
+        sys.stderr.write(f"rollplex-train: error: {err}\n")
+        raise SystemExit(1) from None
+
+
 def _train(cfg) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     from rollplex_train.config import to_config
+    from rollplex_train.paths import resolve_config_paths
     from rollplex_train.trainer import Trainer
 
     import datasets
@@ -48,9 +71,11 @@ def _train(cfg) -> None:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     with _user_errors("rollplex-train"):  # config, files and data are checked before Ray starts
-        config = to_config(cfg)
-        trainer = Trainer(config, Path(config.trainer.output_dir))
-    trainer.fit()
+        config = resolve_config_paths(to_config(cfg), conf_dir().parent)
+        output_dir = config.trainer.output_dir or HydraConfig.get().runtime.output_dir
+        trainer = Trainer(config, Path(output_dir))
+    with _run_errors(trainer):
+        trainer.fit()
 
 
 def train_main() -> None:
@@ -66,6 +91,7 @@ def train_main() -> None:
 PLANS = {
     "memory": "rollplex_train.memory.report",
     "sharing": "rollplex_train.sharing.report",
+    "timeline": "rollplex_train.runtime.timeline_report",
 }
 """``rollplex-plan`` subcommand -> module with ``report(config: Config) -> str``."""
 
@@ -75,8 +101,10 @@ def _plan(kind: str, cfg) -> None:
 
     from rollplex_train.config import to_config
 
+    from rollplex_train.paths import resolve_config_paths
+
     with _user_errors(f"rollplex-plan {kind}"):
-        config = to_config(cfg)
+        config = resolve_config_paths(to_config(cfg), conf_dir().parent, strict=False)
         text = importlib.import_module(PLANS[kind]).report(config)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
 

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:  # Hydra/OmegaConf are imported where used: the in-process GPU benchmark runs without them
     from omegaconf import DictConfig
 
+from rollplex_train.runtime.hardware import GpuConfig, TimelineConfig
+
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 SCHEDULES = ("serial", "disaggregated", "rollplex")
@@ -98,6 +100,9 @@ class DataConfig:
     video_max_frames: int = 8
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 56 * 56
+    resume_on_changed_data: bool = False
+    """Resuming a checkpoint saved on other train data (another file fingerprint): false refuses to
+    start; true warns and restarts the checkpoint's epoch from its beginning on the new data."""
 
     def __post_init__(self) -> None:
         if not self.train_files:
@@ -185,7 +190,8 @@ class ActorConfig:
     """Actor update (and the frozen reference held by the same training worker)."""
 
     backend: str = "torch"
-    """Registered training engine: ``torch`` (CPU/GPU); a Megatron adapter is planned."""
+    """Registered training engine: ``torch`` (CPU/GPU) or ``megatron`` (megatron-core, TP actor and
+    reference; needs the ``megatron`` extra; ``docs/megatron.md``)."""
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -196,11 +202,21 @@ class ActorConfig:
     ppo_mini_batch_size: int = -1
     """Prompts per optimizer step (each with ``rollout.n`` responses); -1: the whole rollout batch."""
     micro_batch_size: int = 16
-    """Responses per forward/backward (gradient accumulation inside a mini-batch)."""
+    """Responses per forward/backward (gradient accumulation inside a mini-batch). With
+    ``model.shared_prefix=true`` a micro-batch is one group instead (its prefix pass and its
+    ``rollout.n`` suffixes), so that results do not depend on how a schedule places the passes."""
     ppo_epochs: int = 1
+    recompute_old_log_prob: bool = False
+    """Always run the separate old-policy pass (verl's behaviour). False: the first mini-batch's old
+    log-probs are the actor's own forward before its first optimizer step (``old = logp.detach()``,
+    as TRL's GRPOTrainer does), since the weights are provably the same; only the other mini-batches
+    get the separate pass (``runtime/old_policy.py``)."""
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     """PPO ratio clip range [1 - low, 1 + high] (DAPO's clip-higher when high > low)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip PPO (Ye et al. 2020; verl ``actor.clip_ratio_c``): the loss of a token with a negative
+    advantage A is at most ``-A * clip_ratio_c``; must be > 1."""
     loss_agg_mode: str = "token-mean"
     entropy_coeff: float = 0.0
     tensor_parallel_size: int = 1
@@ -214,6 +230,8 @@ class ActorConfig:
         _check_positive("actor", "ppo_epochs", self.ppo_epochs)
         _check_positive("actor", "clip_ratio_low", self.clip_ratio_low, allow_zero=True)
         _check_positive("actor", "clip_ratio_high", self.clip_ratio_high, allow_zero=True)
+        if not self.clip_ratio_c > 1.0:
+            raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c}: expected a number > 1 (dual-clip PPO)")
         _check_choice("actor", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
         _check_positive("actor", "tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("actor", "pipeline_parallel_size", self.pipeline_parallel_size)
@@ -232,10 +250,20 @@ class RewardConfig:
     ``path/to/file.py:fn`` with ``fn(response: str, ground_truth: str, **kwargs) -> float``."""
     format_weight: float = 0.0
     """Score = (1 - w) * accuracy + w * format (EasyR1's r1v reward)."""
+    on_failure: str = "exclude"
+    """A response whose reward function raised or returned None/NaN/a non-number: ``exclude`` (advantage
+    0, left out of its group's mean and std) or ``zero`` (scored 0 and kept in the group's baseline,
+    i.e. trained as a wrong answer). Counted in ``reward/failed`` either way."""
+    max_failed_frac: float = 1.0
+    """Stop the run with a one-line error when this fraction of a step's samples failed to score
+    (the function raised or returned no finite number); 1.0: only when every sample failed."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.format_weight <= 1.0:
             raise ValueError(f"reward.format_weight={self.format_weight}: expected 0 <= w <= 1")
+        _check_choice("reward", "on_failure", self.on_failure, ("exclude", "zero"))
+        if not 0.0 < self.max_failed_frac <= 1.0:
+            raise ValueError(f"reward.max_failed_frac={self.max_failed_frac}: expected 0 < f <= 1")
 
 
 @dataclass(kw_only=True)
@@ -375,9 +403,10 @@ class TrainerConfig:
 
     project_name: str = "rollplex"
     experiment_name: str = "default"
-    output_dir: str = "${hydra:runtime.output_dir}"
+    output_dir: Optional[str] = "${hydra:runtime.output_dir}"
     """Metrics, checkpoints, tensorboard events, Ray temp dir and the HF export go here (default:
-    Hydra's run dir, ``outputs/<project>/<experiment>``, so ``resume=auto`` finds the last run)."""
+    Hydra's run dir, ``outputs/<project>/<experiment>``, so ``resume=auto`` finds the last run; it
+    resolves to null outside a Hydra job, e.g. under ``--cfg job --resolve``)."""
     total_steps: int = 10
     seed: int = 1
     val_freq: int = 5
@@ -389,6 +418,9 @@ class TrainerConfig:
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir if any), ``disable``, or a checkpoint directory."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard", "wandb"])
+    wandb_init_timeout_s: float = 30.0
+    """Most seconds the wandb start may take; after it (or any online failure) the run logs to wandb
+    offline in ``output_dir/wandb``, with one warning naming the cause."""
     export_hf: bool = True
     """Write the final actor as a HF checkpoint directory under ``output_dir/hf_actor``."""
     progress_bar: bool = True
@@ -401,6 +433,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check_positive("trainer", "total_steps", self.total_steps)
         _check_positive("trainer", "max_ckpt_to_keep", self.max_ckpt_to_keep)
+        _check_positive("trainer", "wandb_init_timeout_s", self.wandb_init_timeout_s)
         for name in self.loggers:
             _check_choice("trainer", "loggers", name, ("console", "jsonl", "tensorboard", "wandb"))
 
@@ -420,6 +453,10 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    """GPU datasheet numbers (``conf/gpu/``), read only by ``rollplex-plan timeline``."""
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
+    """Roofline efficiencies and options of ``rollplex-plan timeline``."""
 
     def __post_init__(self) -> None:
         from rollplex_train.parallel import ParallelLayout

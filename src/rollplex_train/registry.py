@@ -64,3 +64,8 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
+
+
+class MissingExtraError(ImportError, ValueError):
+    """An optional dependency group (pip extra) a chosen component needs is not installed. A
+    ``ValueError`` too, so the CLI reports it as a one-line config error (exit code 2)."""

@@ -25,10 +25,12 @@ from rollplex_train.algo.rewards import RewardManager
 from rollplex_train.rollout.base import ROLLOUT_ENGINES
 from rollplex_train.training.base import TRAIN_ENGINES
 from rollplex_train.config import Config
-from rollplex_train.data.dataset import PromptDataset, PromptLoader
+from rollplex_train.data.dataset import PromptDataset
+from rollplex_train.data.loader import PromptLoader
 from rollplex_train.models.loading import check_checkpoint_dir, load_tokenizer, load_vision_spec
 from rollplex_train.tracking.checkpoint import CheckpointManager, load_json, save_json
 from rollplex_train.tracking.loggers import Tracker
+from rollplex_train.tracking.plots import plot_val_accuracy
 from rollplex_train.tracking.progress import ProgressBar
 from rollplex_train.tracking.rollouts import dump_rollouts
 
@@ -53,10 +55,10 @@ class Trainer:
         self.cfg, self.output_dir = cfg, Path(output_dir)
         # Names chosen by config fail here, before Ray and the workers start.
         get_adv_estimator(cfg.algorithm.adv_estimator)
-        check_engine = getattr(ROLLOUT_ENGINES.get(cfg.rollout.name), "check_available", None)
-        if check_engine is not None:  # an engine from an optional extra (SGLang): installed, usable here
-            check_engine(cfg)
-        TRAIN_ENGINES.get(cfg.actor.backend)
+        for engine in (ROLLOUT_ENGINES.get(cfg.rollout.name), TRAIN_ENGINES.get(cfg.actor.backend)):
+            check = getattr(engine, "check_available", None)
+            if check is not None:  # an engine from an optional extra (SGLang, Megatron): usable for this run
+                check(cfg)
         if cfg.cluster.device == "cuda" and cfg.cluster.address is None and torch.cuda.device_count() == 0:
             raise ValueError("cluster.device=cuda: no GPU is visible on this machine "
                              "(torch.cuda.device_count() == 0); use cluster.device=cpu for a CPU run")
@@ -68,21 +70,39 @@ class Trainer:
             PromptDataset(cfg.data, self.tokenizer, cfg.data.val_files, "val", merge_size=merge)
             if cfg.data.val_files else None
         )
-        if len(self.train_set) < cfg.data.rollout_batch_size:
-            raise ValueError(f"data.rollout_batch_size={cfg.data.rollout_batch_size} exceeds the "
-                             f"{len(self.train_set)} rows of data.train_files={cfg.data.train_files!r}")
+        self._check_rows()
         self.loader = PromptLoader(self.train_set, cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
-        self.reward = RewardManager(cfg.reward.function, cfg.reward.format_weight)
+        self.reward = RewardManager(cfg.reward.function, cfg.reward.format_weight, cfg.reward.max_failed_frac)
         # Validation reports accuracy alone (format_weight 0), the number users compare across runs.
-        self.val_reward = RewardManager(cfg.reward.function, 0.0)
+        self.val_reward = RewardManager(cfg.reward.function, 0.0, cfg.reward.max_failed_frac)
         self.ckpt = CheckpointManager(self.output_dir / "checkpoints", cfg.trainer.max_ckpt_to_keep)
         self.resume_from = self.ckpt.resolve_resume(cfg.trainer.resume)
         if self.resume_from is not None and not (Path(self.resume_from) / "trainer_state.json").is_file():
             raise FileNotFoundError(f"trainer.resume={cfg.trainer.resume!r}: {self.resume_from} is not a "
                                     "rollplex checkpoint (no trainer_state.json)")
+        # the driver state of the checkpoint to resume (its step and wandb run id are needed before Ray)
+        self.resume_state = load_json(Path(self.resume_from) / "trainer_state.json") if self.resume_from else None
+        if self.resume_state is not None and "loader" in self.resume_state:  # other data: refused before Ray
+            self.loader.check_state(self.resume_state["loader"], cfg.data.resume_on_changed_data)
         self.step = 0
         self.schedule = None
+        self.tracker: Optional[Tracker] = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
+
+    def _check_rows(self) -> None:
+        """Every row checked up front (``PromptDataset.precheck``): data that cannot fill a step's
+        batch (or a validation pass) fails here in one line, with the skip counts by reason."""
+        cfg = self.cfg.data
+        for key, files, dataset, need in (("data.train_files", cfg.train_files, self.train_set, cfg.rollout_batch_size),
+                                          ("data.val_files", cfg.val_files, self.val_set, 1)):
+            if dataset is None:
+                continue
+            skipped = dataset.precheck()
+            usable = len(dataset) - dataset.num_bad
+            if usable < need:
+                wanted = "validation needs one" if key == "data.val_files" else f"a step needs data.rollout_batch_size={need}"
+                raise ValueError(f"{key}={files!r}: {usable} of {len(dataset)} rows are usable (skipped by reason: "
+                                 f"{dict(sorted(skipped.items())) or 'none'}); {wanted}")
 
     # ---- run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
@@ -91,14 +111,15 @@ class Trainer:
         from rollplex_train.runtime import make_schedule
 
         cfg = self.cfg
-        workers = create_workers(cfg, self.output_dir)
-        self.schedule = make_schedule(cfg, workers, self.reward, self.tokenizer.pad_token_id)
-        self._maybe_resume()
-        tracker = Tracker(cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name,
-                          cfg.trainer.experiment_name, OmegaConf.to_container(OmegaConf.structured(cfg)),
-                          fresh=self.step == 0)
+        if self._already_finished():
+            return {}
+        tracker = self._start_tracker()  # before Ray and any worker: a tracker that fails costs nothing
         last: dict[str, float] = {}
+        bar = workers = None
         try:
+            workers = create_workers(cfg, self.output_dir)
+            self.schedule = make_schedule(cfg, workers, self.reward, self.tokenizer.pad_token_id)
+            self._maybe_resume()
             if cfg.trainer.val_before_train and self.step == 0 and self.val_set is not None:
                 last = self.validate()
                 tracker.log(last, step=0)
@@ -120,17 +141,21 @@ class Trainer:
                     self.step % cfg.trainer.val_freq == 0 or done
                 ):
                     metrics.update(self.validate())
+                tracker.log(metrics, step=self.step)  # before the checkpoint: a resume never lacks its step
                 if done or (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0):
                     self.save_checkpoint()
-                tracker.log(metrics, step=self.step)
                 bar.update(metrics)
                 last = metrics
             bar.close()
+            self._plot_curves()
             if cfg.trainer.export_hf:
                 workers.train.export_hf(str(self.output_dir / "hf_actor"))
         finally:
+            if bar is not None:
+                bar.close()
             tracker.close()
-            workers.shutdown()
+            if workers is not None:
+                workers.shutdown()
         return last
 
     def validate(self) -> dict[str, float]:
@@ -164,9 +189,42 @@ class Trainer:
         log.info("checkpoint saved: %s", path)
         return path
 
+    def _start_tracker(self) -> Tracker:
+        """The run's loggers; a resume continues the checkpoint's history (metrics cut back to its
+        step, TensorBoard purged after it, the same wandb run)."""
+        cfg, state = self.cfg, self.resume_state or {}
+        self.tracker = Tracker(
+            cfg.trainer.loggers, self.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
+            OmegaConf.to_container(OmegaConf.structured(cfg)),
+            resume_step=int(state["step"]) if state else None, wandb_run_id=state.get("wandb_run_id"),
+            wandb_init_timeout_s=cfg.trainer.wandb_init_timeout_s,
+        )
+        return self.tracker
+
+    def _already_finished(self) -> bool:
+        """True (said in one line) when the checkpoint to resume is at ``trainer.total_steps`` already."""
+        done = int((self.resume_state or {}).get("step", 0))
+        if done < self.cfg.trainer.total_steps:
+            return False
+        log.warning("nothing to do: checkpoint %s is at step %d and trainer.total_steps=%d; raise "
+                    "trainer.total_steps to train further, or use trainer.resume=disable for a new run",
+                    self.resume_from, done, self.cfg.trainer.total_steps)
+        return True
+
+    def _plot_curves(self) -> None:
+        """``<output_dir>/val_accuracy.png``: validation accuracy per task over the run (from
+        metrics.jsonl; nothing without the jsonl logger or validation)."""
+        if "jsonl" in self.cfg.trainer.loggers:
+            plot_val_accuracy(self.output_dir)
+
+    def last_checkpoint(self) -> Optional[Path]:
+        """The newest complete checkpoint of this run's directory (None: none yet)."""
+        return self.ckpt.latest()
+
     def _driver_state(self) -> dict:
         return {
             "step": self.step,
+            "wandb_run_id": self.tracker.wandb_run_id if self.tracker is not None else None,
             "loader": self.loader.state_dict(),
             "weights_version": self.schedule.weights_version,
             "schedule": self.schedule.state_dict(),
@@ -179,9 +237,9 @@ class Trainer:
         path = self.resume_from
         if path is None:
             return None
-        state = load_json(Path(path) / "trainer_state.json")
+        state = self.resume_state
         version = self.schedule.workers.train.load_checkpoint(str(path))
-        self.loader.load_state_dict(state["loader"])
+        self.loader.load_state_dict(state["loader"], self.cfg.data.resume_on_changed_data)
         self.schedule.load_state_dict(state.get("schedule", {}))
         self.step = int(state["step"])
         if version > 0:

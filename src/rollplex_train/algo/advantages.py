@@ -247,6 +247,7 @@ def compute_advantages(
     gamma: float = 1.0,
     token_level_rewards: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
+    exclude: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns of a rollout batch with the estimator registered under ``name``.
 
@@ -263,6 +264,9 @@ def compute_advantages(
             None places each score on the last real token. When given, ``scores`` is only used for
             its shape check and outcome estimators use the masked row sums instead.
         eps: added to the group std (``grpo``).
+        exclude: (N,) bool, responses left out of every statistic (group mean/std, batch
+            whitening) with advantage and return 0 (``reward.on_failure=exclude``: their reward
+            function failed). None: none excluded.
 
     Returns:
         ``(advantages, returns)``, each (N, R) float32, zero outside ``response_mask``.
@@ -274,6 +278,20 @@ def compute_advantages(
     _check_shapes(scores, response_mask)
     if group_index.shape != scores.shape:
         raise ValueError(f"group_index {tuple(group_index.shape)} and scores {tuple(scores.shape)} differ")
+    if exclude is not None and bool(exclude.any()):
+        if exclude.shape != scores.shape:
+            raise ValueError(f"exclude {tuple(exclude.shape)} and scores {tuple(scores.shape)} differ")
+        keep = torch.nonzero(~exclude.bool(), as_tuple=True)[0]
+        advantages = torch.zeros_like(response_mask, dtype=torch.float32)
+        returns = torch.zeros_like(advantages)
+        if keep.numel():
+            kept = compute_advantages(
+                name, scores=scores[keep], group_index=group_index[keep], response_mask=response_mask[keep],
+                norm_adv_by_std=norm_adv_by_std, gamma=gamma, eps=eps,
+                token_level_rewards=None if token_level_rewards is None else token_level_rewards[keep],
+            )
+            advantages[keep], returns[keep] = kept
+        return advantages, returns
     if token_level_rewards is None:
         token_level_rewards = scores_to_token_rewards(scores, response_mask)
     elif token_level_rewards.shape != response_mask.shape:

@@ -98,19 +98,23 @@ def policy_loss(
     clip_ratio_low: float,
     clip_ratio_high: float,
     loss_agg_mode: str,
+    clip_ratio_c: float = 3.0,
     num_tokens: Optional[Count] = None,
     num_seqs: Optional[Count] = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate loss with an asymmetric clip range.
+    """Dual-clip PPO surrogate loss with an asymmetric clip range (verl ``compute_policy_loss``).
 
     Per token, with ``rho = exp(logprob - old_logprob)`` (log-ratio clamped to [-20, 20] as in
     verl) and advantage ``A``:
 
-        loss = max(-A * rho, -A * clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        clipped = max(-A * rho, -A * clip(rho, 1 - clip_ratio_low, 1 + clip_ratio_high))
+        loss    = min(clipped, -A * clip_ratio_c)  if A < 0,  else clipped
 
     i.e. the negated clipped objective of Schulman et al. 2017 (PPO) eq. 7, with the clip-higher
-    range of DAPO (Yu et al. 2025 §3.1) when ``clip_ratio_high > clip_ratio_low``. Aggregated with
-    ``agg_loss`` (see there for ``num_tokens`` / ``num_seqs``).
+    range of DAPO (Yu et al. 2025 §3.1) when ``clip_ratio_high > clip_ratio_low``, and the lower
+    bound of dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL",
+    eq. 5) on negative-advantage tokens, as verl's ``core_algos.compute_policy_loss`` (vanilla)
+    does. Aggregated with ``agg_loss`` (see there for ``num_tokens`` / ``num_seqs``).
 
     Args:
         logprob: (N, R) float actor log-probs of the sampled tokens, with grad.
@@ -119,16 +123,21 @@ def policy_loss(
         mask: (N, R) float32, 1 on real tokens.
         clip_ratio_low, clip_ratio_high: ``actor.clip_ratio_low`` / ``actor.clip_ratio_high``, >= 0.
         loss_agg_mode: ``actor.loss_agg_mode``.
+        clip_ratio_c: ``actor.clip_ratio_c`` (> 1): a negative-advantage token's loss is at most
+            ``-A * clip_ratio_c`` (verl's default 3.0).
 
     Returns:
         ``(loss, metrics)``: the 0-dim loss and floats ``actor/pg_loss`` (the loss value; a
         micro-batch's share when mini-batch counts are passed), ``actor/pg_clipfrac`` (fraction of
-        this call's real tokens where the clipped term is the larger loss) and ``actor/ppo_kl``
+        this call's real tokens where the clipped term is the larger loss), ``actor/pg_clipfrac_lower``
+        (fraction of real tokens with ``A < 0`` whose loss the dual clip bounds) and ``actor/ppo_kl``
         (masked mean of ``old_logprob - logprob``, a k1 estimate of KL(old || current)).
 
     Raises:
-        ValueError: mismatched shapes or an unknown ``loss_agg_mode``.
+        ValueError: mismatched shapes, an unknown ``loss_agg_mode`` or ``clip_ratio_c <= 1``.
     """
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"actor.clip_ratio_c={clip_ratio_c}: expected a number > 1 (dual-clip PPO)")
     for name, t in (("old_logprob", old_logprob), ("advantages", advantages), ("mask", mask)):
         if t.shape != logprob.shape:
             raise ValueError(f"{name} {tuple(t.shape)} and logprob {tuple(logprob.shape)} differ")
@@ -137,12 +146,16 @@ def policy_loss(
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    clipped = torch.maximum(loss_unclipped, loss_clipped)
+    loss_lower = -advantages * clip_ratio_c
+    negative = advantages < 0
+    loss_mat = torch.where(negative, torch.minimum(clipped, loss_lower), clipped)
     loss = agg_loss(loss_mat, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
     with torch.no_grad():
         metrics = {
             "actor/pg_loss": float(loss.detach().item()),
             "actor/pg_clipfrac": _masked_mean_item(torch.gt(loss_clipped, loss_unclipped).float(), mask),
+            "actor/pg_clipfrac_lower": _masked_mean_item((torch.gt(clipped, loss_lower) & negative).float(), mask),
             "actor/ppo_kl": _masked_mean_item(-log_ratio, mask),
         }
     return loss, metrics

@@ -240,41 +240,54 @@ def _accepts_options(fn: RewardFn) -> bool:
     return any(p.kind is p.VAR_KEYWORD or p.name == "options" for p in params)
 
 
+class RewardFailure(RuntimeError):
+    """Too many samples of one scoring call failed (``reward.max_failed_frac``): training on their
+    zero scores would teach nothing. The message is one line naming the function and the first failure."""
+
+
 class RewardManager:
     """Scores a rollout batch: ``score = (1 - w) * accuracy + w * format`` (EasyR1 r1v reward).
+
+    A sample whose function raises or returns something other than a finite number scores 0
+    accuracy and is counted in ``reward/failed``; each :meth:`score` call logs one warning with the
+    count and the first failure of each kind (not one per sample).
 
     Args:
         function: ``reward.function`` (registered name or ``path/to/file.py:fn``).
         format_weight: ``reward.format_weight`` ``w`` in [0, 1].
+        max_failed_frac: ``reward.max_failed_frac`` in (0, 1]: :meth:`score` raises
+            :class:`RewardFailure` when the failed fraction of its samples reaches it (1.0: only
+            when every sample failed).
 
     Raises:
-        ValueError / FileNotFoundError: as ``load_reward_function``; ``format_weight`` outside [0, 1].
+        ValueError / FileNotFoundError: as ``load_reward_function``; ``format_weight`` outside
+            [0, 1] or ``max_failed_frac`` outside (0, 1].
     """
 
-    def __init__(self, function: str, format_weight: float) -> None:
+    def __init__(self, function: str, format_weight: float, max_failed_frac: float = 1.0) -> None:
         if not 0.0 <= format_weight <= 1.0:
             raise ValueError(f"reward.format_weight={format_weight}: expected 0 <= w <= 1")
+        if not 0.0 < max_failed_frac <= 1.0:
+            raise ValueError(f"reward.max_failed_frac={max_failed_frac}: expected 0 < f <= 1")
         self.function = function
         self.format_weight = float(format_weight)
+        self.max_failed_frac = float(max_failed_frac)
         self._fn = load_reward_function(function)
         self._pass_options = _accepts_options(self._fn)
 
-    def _accuracy(self, response: str, ground_truth: str, options: list[str], uid: str) -> Optional[float]:
-        """The user's score as a finite float, or None (logged) when it raises or is not one."""
+    def _accuracy(self, response: str, ground_truth: str, options: list[str], uid: str) -> tuple[Optional[float], str]:
+        """``(score, "")`` for a finite float, else ``(None, why)``: ``"raised: <Type>: <message>"``
+        (the last line of the traceback) or ``"returned <value>"``."""
         try:
             kwargs = {"options": options} if self._pass_options else {}
             value = self._fn(response, ground_truth, **kwargs)
         except Exception as err:  # noqa: BLE001 - a user function may raise anything
-            logger.warning("reward %r failed on sample uid=%s: %s: %s", self.function, uid, type(err).__name__, err)
-            return None
+            return None, f"raised {type(err).__name__}: {err}"
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
-            logger.warning(
-                "reward %r returned %r on sample uid=%s: expected a finite number", self.function, value, uid
-            )
-            return None
-        return float(value)
+            return None, f"returned {value!r} (expected a finite number)"
+        return float(value), ""
 
     def score(
         self,
@@ -283,7 +296,18 @@ class RewardManager:
         uids: list[str],
         options: Optional[list[list[str]]] = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Score N responses.
+        """Score N responses: ``(scores, metrics)`` of :meth:`score_with_failures` (failures score 0)."""
+        scores, _, metrics = self.score_with_failures(responses, ground_truths, uids, options)
+        return scores, metrics
+
+    def score_with_failures(
+        self,
+        responses: list[str],
+        ground_truths: list[str],
+        uids: list[str],
+        options: Optional[list[list[str]]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Score N responses and say which ones the reward function failed on.
 
         Args:
             responses: N decoded response texts.
@@ -292,13 +316,15 @@ class RewardManager:
             options: N lists of choices (empty for open questions); None: no options anywhere.
 
         Returns:
-            ``(scores, metrics)``: (N,) float32 scores and floats ``reward/accuracy`` (mean accuracy,
-            failures as 0), ``reward/format`` (mean format score), ``reward/failed`` (number of
-            samples whose function raised or returned NaN/inf/non-number; they score 0 accuracy)
-            and ``reward/score`` (mean score).
+            ``(scores, failed, metrics)``: (N,) float32 scores, (N,) bool ``failed`` (the function
+            raised or returned None/NaN/inf/a non-number; those score 0 accuracy here, and
+            ``reward.on_failure`` decides downstream whether they stay in their group's baseline),
+            and floats ``reward/accuracy`` (mean accuracy, failures as 0), ``reward/format`` (mean
+            format score), ``reward/failed`` (number of failed samples) and ``reward/score`` (mean score).
 
         Raises:
             ValueError: the lists have different lengths.
+            RewardFailure: the failed fraction reached ``max_failed_frac``.
         """
         num = len(responses)
         options = options if options is not None else [[] for _ in range(num)]
@@ -307,12 +333,23 @@ class RewardManager:
                 f"score: {num} responses, {len(ground_truths)} ground truths, {len(uids)} uids, "
                 f"{len(options)} option lists: expected equal lengths"
             )
-        accuracy, formats, failed = [], [], 0
+        accuracy, formats, failed = [], [], []
+        first: dict[str, str] = {}  # kind ("raised" / "returned") -> "uid=...: why" of its first sample
         for response, truth, uid, opts in zip(responses, ground_truths, uids, options):
-            acc = self._accuracy(response, truth, list(opts), uid)
-            failed += acc is None
+            acc, why = self._accuracy(response, truth, list(opts), uid)
+            failed.append(acc is None)
+            if acc is None:
+                first.setdefault(why.split(" ", 1)[0], f"uid={uid} {why}")
             accuracy.append(0.0 if acc is None else acc)
             formats.append(format_reward(response))
+        num_failed = sum(failed)
+        if num_failed:
+            summary = (f"reward.function={self.function!r} failed on {num_failed} of {num} samples "
+                       f"(scored 0); first: {'; '.join(first.values())}")
+            if num_failed >= self.max_failed_frac * num:
+                raise RewardFailure(f"{summary} -- stopping: the failed fraction reached "
+                                    f"reward.max_failed_frac={self.max_failed_frac:g}")
+            logger.warning("%s", summary)
         acc_t = torch.tensor(accuracy, dtype=torch.float32)
         fmt_t = torch.tensor(formats, dtype=torch.float32)
         w = self.format_weight
@@ -320,7 +357,7 @@ class RewardManager:
         metrics = {
             "reward/accuracy": _mean(acc_t),
             "reward/format": _mean(fmt_t),
-            "reward/failed": float(failed),
+            "reward/failed": float(sum(failed)),
             "reward/score": _mean(scores),
         }
-        return scores, metrics
+        return scores, torch.tensor(failed, dtype=torch.bool), metrics

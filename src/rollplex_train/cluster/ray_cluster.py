@@ -21,7 +21,7 @@ _MAX_RAY_TMP_LEN = 32
 def ray_temp_dir(output_dir: Path) -> str:
     """The run's Ray temp dir: ``<output_dir>/ray`` when short enough for Ray's socket paths, else
     a short ``/tmp/rp-ray-*`` dir whose session logs are copied into ``<output_dir>/ray`` at exit
-    (after Ray's own exit handler has shut it down) before the short dir is removed."""
+    (after Ray is shut down) before the short dir is removed."""
     target = output_dir.absolute() / "ray"
     if target.is_symlink():  # left by an older version of this function
         target.unlink()
@@ -29,14 +29,19 @@ def ray_temp_dir(output_dir: Path) -> str:
         target.mkdir(parents=True, exist_ok=True)
         return str(target)
     short = tempfile.mkdtemp(prefix="rp-ray-")
-    atexit.register(_keep_logs, Path(short), target)  # runs after Ray's exit handler (registered later)
+    atexit.register(_keep_logs, Path(short), target)
     log.info("Ray temp dir %s (the output path is too long for Ray's sockets); its logs are copied to %s "
              "at exit", short, target)
     return short
 
 
 def _keep_logs(short: Path, target: Path) -> None:
-    """Copy ``short/session_*/logs`` to ``target/session_*/logs``, then remove ``short``."""
+    """Shut Ray down (waiting for its processes: a live one re-creates its session dir), copy
+    ``short/session_*/logs`` to ``target/session_*/logs``, then remove ``short``."""
+    import ray
+
+    # Ray's own exit hook is registered when ray is imported, before this one, so it would run after.
+    ray.shutdown(wait_for_processes=True)
     try:
         for session in short.glob("session_*"):
             if session.is_dir() and not session.is_symlink() and (session / "logs").is_dir():
@@ -74,6 +79,9 @@ def start_ray(cfg: Config, output_dir: Path) -> None:
                 f"A cluster started in token mode needs its token here: ${TOKEN_ENV}, ${TOKEN_PATH_ENV} or "
                 "~/.ray/auth_token (launch/slurm_ray.sbatch writes one per job)") from err
         return
+    # Ray 2.60 warns on every local start that token authentication is on by default (or off);
+    # for a cluster of this machine only that notice is noise (ray/_private/authentication).
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     ray.init(
         num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
         object_store_memory=cfg.cluster.object_store_memory_bytes,

@@ -1,4 +1,4 @@
-"""Prompt datasets in the EasyR1 schema, and a resumable loader of fixed-size prompt batches.
+"""Prompt datasets in the EasyR1 schema (the resumable batch loader is ``data/loader.py``).
 
 A manifest (parquet or jsonl) has one row per prompt: ``problem`` (text with ``<image>``/``<video>``
 placeholders), ``answer``, optional ``images`` / ``videos`` (lists of paths relative to the
@@ -13,10 +13,11 @@ row is counted once by reason in ``PromptDataset.skipped`` and logged once with 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import datasets
 import numpy as np
@@ -24,15 +25,17 @@ import pyarrow.parquet as pq
 import torch
 
 from rollplex_train.config import DataConfig
+from rollplex_train.data.jsonl import BadLine, JsonRows
 from rollplex_train.data.prompts import build_messages, render_prompt_ids
 from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.data.vision import load_image, load_video, patchify_images, patchify_video, resolve_path
 
 logger = logging.getLogger(__name__)
 
-SKIP_REASONS = ("missing_media", "corrupt_media", "bad_schema", "placeholder_mismatch", "too_long")
-_READERS = {".parquet": datasets.Dataset.from_parquet, ".jsonl": datasets.Dataset.from_json,
-            ".json": datasets.Dataset.from_json}
+SKIP_REASONS = ("missing_media", "corrupt_media", "bad_schema", "empty_prompt", "placeholder_mismatch",
+                "too_long")
+_SUFFIXES = (".parquet", ".jsonl", ".json")
+Table = Union[datasets.Dataset, JsonRows]
 
 
 def split_files(files: str) -> list[str]:
@@ -51,22 +54,20 @@ def _no_image_decoding(ds: datasets.Dataset) -> datasets.Dataset:
     return ds
 
 
-def _obviously_empty(path: str, suffix: str) -> bool:
-    """True for a parquet file whose footer says 0 rows, or a JSON file with no content."""
-    if suffix == ".parquet":
-        try:
-            return pq.ParquetFile(path).metadata.num_rows == 0
-        except Exception:  # not parquet at all: let the reader report it
-            return False
-    with open(path, "rb") as f:
-        return not f.read(1 << 16).strip()
+def _obviously_empty(path: str) -> bool:
+    """True for a parquet file whose footer says 0 rows."""
+    try:
+        return pq.ParquetFile(path).metadata.num_rows == 0
+    except Exception:  # not parquet at all: let the reader report it
+        return False
 
 
-def read_file(path: str, cache_dir: Optional[str] = None) -> datasets.Dataset:
-    """Load one parquet/jsonl file through ``datasets`` (in memory, no network).
+def read_file(path: str, cache_dir: Optional[str] = None) -> Table:
+    """Load one manifest: parquet through ``datasets`` (in memory, no network), JSON lines with the
+    ``json`` module (``data/jsonl.py``: strings byte-exact, no per-column type inference).
 
     Args:
-        path: a ``.parquet``, ``.jsonl`` or ``.json`` (JSON lines) file.
+        path: a ``.parquet``, ``.jsonl`` or ``.json`` (JSON lines, or one array of objects) file.
         cache_dir: ``datasets`` cache directory (None: a temporary one, removed after loading).
 
     Raises:
@@ -74,15 +75,17 @@ def read_file(path: str, cache_dir: Optional[str] = None) -> datasets.Dataset:
         ValueError: unknown extension, unreadable content, or no rows.
     """
     suffix = Path(path).suffix.lower()
-    if suffix not in _READERS:
-        raise ValueError(f"{path}: unknown data file extension {suffix!r}; expected one of {sorted(_READERS)}")
+    if suffix not in _SUFFIXES:
+        raise ValueError(f"{path}: unknown data file extension {suffix!r}; expected one of {sorted(_SUFFIXES)}")
     if not Path(path).is_file():
         raise FileNotFoundError(f"data file not found: {path}")
-    if _obviously_empty(path, suffix):  # datasets fails obscurely on these; say what is wrong
+    if suffix != ".parquet":
+        return JsonRows(path)
+    if _obviously_empty(path):  # datasets fails obscurely on these; say what is wrong
         raise ValueError(f"{path}: the dataset is empty (0 rows)")
     try:
         with tempfile.TemporaryDirectory(prefix="rollplex-datasets-") as tmp:
-            ds = _READERS[suffix](path, cache_dir=cache_dir or tmp, keep_in_memory=True)
+            ds = datasets.Dataset.from_parquet(path, cache_dir=cache_dir or tmp, keep_in_memory=True)
     except Exception as err:  # datasets/pyarrow raise many types for malformed files
         raise ValueError(f"{path}: cannot read as {suffix[1:]}: {type(err).__name__}: {err}") from err
     if len(ds) == 0:
@@ -90,8 +93,9 @@ def read_file(path: str, cache_dir: Optional[str] = None) -> datasets.Dataset:
     return _no_image_decoding(ds)
 
 
-def load_table(files: str, cache_dir: Optional[str] = None) -> datasets.Dataset:
-    """Load comma-separated parquet/jsonl files as one ``datasets.Dataset`` (rows in file order).
+def load_table(files: str, cache_dir: Optional[str] = None) -> Union[Table, list[dict]]:
+    """Load comma-separated parquet/jsonl files as one table (rows in file order): a
+    ``datasets.Dataset`` when every file is parquet, else the list of row dicts.
 
     Raises:
         FileNotFoundError: a file does not exist (named in the message).
@@ -101,7 +105,11 @@ def load_table(files: str, cache_dir: Optional[str] = None) -> datasets.Dataset:
     if not paths:
         raise ValueError(f"no data files in {files!r}")
     parts = [read_file(p, cache_dir) for p in paths]
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+    if len(parts) == 1:
+        return parts[0]
+    if all(isinstance(p, datasets.Dataset) for p in parts):
+        return datasets.concatenate_datasets(parts)
+    return [part[i] for part in parts for i in range(len(part))]
 
 
 class _Skip(Exception):
@@ -138,6 +146,8 @@ class PromptDataset:
 
     Attributes:
         skipped: bad rows counted once each by reason (``SKIP_REASONS``).
+        coerced: rows kept after a conversion, counted once each: ``coerced_answer`` (a non-string
+            answer, e.g. a JSON number, replaced by its JSON text: ``30`` -> ``"30"``).
 
     Raises:
         FileNotFoundError: a data file or ``cfg.format_prompt`` file does not exist.
@@ -166,10 +176,17 @@ class PromptDataset:
                 raise FileNotFoundError(f"data.format_prompt file not found: {cfg.format_prompt}")
             self.format_prompt = Path(cfg.format_prompt).read_text(encoding="utf-8")
         self.skipped: collections.Counter = collections.Counter()
+        self.coerced: collections.Counter = collections.Counter()
         self._bad: dict[int, str] = {}
+        self._coerced_rows: set[int] = set()
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
+
+    @property
+    def paths(self) -> list[str]:
+        """The split's data files, in row order."""
+        return list(self._paths)
 
     @property
     def num_bad(self) -> int:
@@ -194,7 +211,11 @@ class PromptDataset:
         part, row_index = self._locate(index)
         path = self._paths[part]
         try:
-            return self._build(index, self._tables[part][row_index], path, row_index)
+            try:
+                row = self._tables[part][row_index]
+            except BadLine as err:
+                raise _Skip("bad_schema", str(err)) from err
+            return self._build(index, row, path, row_index)
         except _Skip as skip:
             self._bad[index] = skip.reason
             self.skipped[skip.reason] += 1
@@ -206,8 +227,9 @@ class PromptDataset:
         problem, answer = row.get(cfg.prompt_key), row.get(cfg.answer_key)
         if not isinstance(problem, str):
             raise _Skip("bad_schema", f"column {cfg.prompt_key!r} must be a string, got {type(problem).__name__}")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            raise _Skip("bad_schema", f"column {cfg.answer_key!r} must be a string, got {type(answer).__name__}")
+        if not problem.strip():
+            raise _Skip("empty_prompt", f"column {cfg.prompt_key!r} is empty")
+        ground_truth = self._ground_truth(index, answer, path, row_index)
         images, videos = _media_list(row, cfg.image_key), _media_list(row, cfg.video_key)
         options = row.get("options") or []
         if not isinstance(options, (list, tuple)) or not all(isinstance(o, str) for o in options):
@@ -225,8 +247,29 @@ class PromptDataset:
         if prompt_ids.shape[0] > cfg.max_prompt_length:
             raise _Skip("too_long", f"prompt has {prompt_ids.shape[0]} tokens > data.max_prompt_length="
                                     f"{cfg.max_prompt_length}")
+        media = [(item.get("path") or "<bytes>") if isinstance(item, dict) else str(item) for item in images + videos]
         return PromptSample(uid=f"{self.split}:{index}", prompt_ids=prompt_ids, vision=vision,
-                            ground_truth=str(answer), task=str(task), options=list(options))
+                            ground_truth=ground_truth, task=str(task), options=list(options), problem=problem,
+                            media=media)
+
+    def _ground_truth(self, index: int, answer: Any, path: str, row_index: int) -> str:
+        """The answer as a string: strings as they are; other JSON values as their JSON text
+        (``30`` -> ``"30"``, ``[1, 2]`` -> ``"[1, 2]"``), counted once per row in ``coerced``."""
+        if isinstance(answer, str):
+            return answer
+        key = self.cfg.answer_key
+        if answer is None:
+            raise _Skip("bad_schema", f"column {key!r} is missing or null")
+        try:
+            text = json.dumps(answer, ensure_ascii=False)
+        except (TypeError, ValueError) as err:
+            raise _Skip("bad_schema", f"column {key!r} holds a {type(answer).__name__}, expected a string") from err
+        if index not in self._coerced_rows:
+            self._coerced_rows.add(index)
+            self.coerced["coerced_answer"] += 1
+            logger.warning("%s row %d: column %r holds a %s, used as the string %r (coerced_answer)",
+                           path, row_index, key, type(answer).__name__, text)
+        return text
 
     def _vision(self, images: list, videos: list, base_dir: Path) -> VisionInputs:
         """Load and patchify the row's media; missing/corrupt files become ``_Skip``."""
@@ -259,6 +302,51 @@ class PromptDataset:
                 torch.cat([p[k] for p in parts]) for k in range(3))
         return out
 
+    def precheck(self) -> collections.Counter:
+        """Check every row without decoding media (schema, placeholder counts, media files exist),
+        before training starts; bad rows are counted in :attr:`skipped` and skipped by :meth:`get`
+        without a retry. One warning sums them up (counts by reason, the first row of each).
+
+        Returns:
+            :attr:`skipped` (bad rows by reason; corrupt media and too-long prompts are only found
+            when a row is loaded).
+        """
+        first: dict[str, str] = {}
+        for part, (path, table) in enumerate(zip(self._paths, self._tables)):
+            for row_index, row in enumerate(table):
+                try:
+                    self._precheck_row(row, path, row_index)
+                except _Skip as skip:
+                    self._bad[int(self._offsets[part]) + row_index] = skip.reason
+                    self.skipped[skip.reason] += 1
+                    first.setdefault(skip.reason, f"{path} row {row_index}: {skip}")
+        if first:
+            logger.warning("split %r: %d of %d rows skipped (%s); first of each: %s", self.split, self.num_bad, len(self),
+                           ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())), " | ".join(first.values()))
+        return self.skipped
+
+    def _precheck_row(self, row: dict[str, Any], path: str, row_index: int) -> None:
+        cfg = self.cfg
+        problem, answer = row.get(cfg.prompt_key), row.get(cfg.answer_key)
+        if not isinstance(problem, str):
+            raise _Skip("bad_schema", f"column {cfg.prompt_key!r} must be a string, got {type(problem).__name__}")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise _Skip("bad_schema", f"column {cfg.answer_key!r} must be a string, got {type(answer).__name__}")
+        images, videos = _media_list(row, cfg.image_key), _media_list(row, cfg.video_key)
+        try:
+            build_messages(problem, num_images=len(images), num_videos=len(videos), system_prompt=cfg.system_prompt,
+                           format_prompt=self.format_prompt, name=f"{path} row {row_index}")
+        except ValueError as err:
+            raise _Skip("placeholder_mismatch", str(err)) from err
+        for item in images + videos:
+            if isinstance(item, dict) and item.get("bytes") is not None:
+                continue
+            file = item.get("path") if isinstance(item, dict) else item
+            if not file:
+                raise _Skip("bad_schema", f"media item {item!r} has no path")
+            if not resolve_path(file, Path(path).parent).is_file():
+                raise _Skip("missing_media", f"media file not found: {resolve_path(file, Path(path).parent)}")
+
     def iter_all(self, batch_size: int, max_samples: int = -1) -> Iterator[list[PromptSample]]:
         """One pass in row order, valid samples in lists of ``batch_size`` (the last may be shorter).
 
@@ -285,86 +373,4 @@ class PromptDataset:
             yield batch
 
 
-class PromptLoader:
-    """Endless, resumable batches of valid prompts, epoch after epoch.
-
-    Each epoch visits every row once, in a permutation drawn from ``(seed, epoch)`` (or in row order
-    without ``shuffle``). Bad rows are skipped and counted in the batch's ``num_skipped``. With
-    ``drop_last`` a batch never spans two epochs: the short tail of an epoch is dropped, so every
-    batch holds exactly ``batch_size`` prompts; without it the tail is returned short.
-
-    Args:
-        dataset: the prompts.
-        batch_size: prompts per batch (> 0).
-        shuffle: permute rows each epoch.
-        seed: base of the per-epoch permutation.
-        drop_last: drop the short last batch of each epoch.
-    """
-
-    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool = True):
-        if batch_size <= 0:
-            raise ValueError(f"batch_size={batch_size}: expected > 0")
-        self.dataset, self.batch_size, self.shuffle, self.seed, self.drop_last = (
-            dataset, batch_size, shuffle, seed, drop_last)
-        self.epoch, self.position, self._batches_in_epoch = 0, 0, 0
-        self._order: Optional[np.ndarray] = None
-
-    def _epoch_order(self) -> np.ndarray:
-        if self._order is None:
-            n = len(self.dataset)
-            self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle
-                           else np.arange(n))
-        return self._order
-
-    def _next_epoch(self) -> None:
-        if self._batches_in_epoch == 0:
-            raise ValueError(
-                f"epoch {self.epoch} of split {self.dataset.split!r} gave no batch of {self.batch_size}: only "
-                f"{len(self.dataset) - self.dataset.num_bad} of {len(self.dataset)} rows are valid "
-                f"(skipped: {dict(self.dataset.skipped)})"
-            )
-        self.epoch, self.position, self._batches_in_epoch, self._order = self.epoch + 1, 0, 0, None
-
-    def next_batch(self) -> tuple[list[PromptSample], int]:
-        """The next batch and the number of bad rows skipped while filling it.
-
-        Raises:
-            ValueError: a whole epoch yields no batch (no valid rows, or fewer than ``batch_size``
-                with ``drop_last``).
-        """
-        batch: list[PromptSample] = []
-        num_skipped = 0
-        while len(batch) < self.batch_size:
-            order = self._epoch_order()
-            if self.position >= len(order):
-                if batch and not self.drop_last:
-                    break  # the short tail; the next call rolls over to the next epoch
-                self._next_epoch()
-                batch = []  # the dropped tail's skips still count in num_skipped
-                continue
-            sample = self.dataset.get(int(order[self.position]))
-            self.position += 1
-            if sample is None:
-                num_skipped += 1
-            else:
-                batch.append(sample)
-        self._batches_in_epoch += 1
-        return batch, num_skipped
-
-    def __iter__(self) -> Iterator[list[PromptSample]]:
-        while True:
-            yield self.next_batch()[0]
-
-    def state_dict(self) -> dict[str, int]:
-        """Where the next batch starts: ``{"epoch", "position", "batches_in_epoch"}``."""
-        return {"epoch": self.epoch, "position": self.position, "batches_in_epoch": self._batches_in_epoch}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume so that the next batch equals the one the saved loader would have produced."""
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self._batches_in_epoch = int(state.get("batches_in_epoch", 1 if self.position else 0))
-        self._order = None
-
-    def iter_all(self, batch_size: int, max_samples: int = -1) -> Iterator[list[PromptSample]]:
-        """One in-order pass over the dataset (validation); see :meth:`PromptDataset.iter_all`."""
-        return self.dataset.iter_all(batch_size, max_samples)
+from rollplex_train.data.loader import PromptLoader  # noqa: E402,F401  (its home before data/loader.py)

@@ -77,6 +77,9 @@ class PromptSample:
         ground_truth: the reference answer (string) for the reward function.
         task: data source / task name (metrics are also reported per task).
         options: the multiple-choice options if the task has them (else empty).
+        problem: the prompt text as the data file holds it (placeholders included), for dumps.
+        media: the file names of its images and videos as the data file gives them, in order
+            (``<bytes>`` for an image stored inline), for dumps.
     """
 
     uid: str
@@ -85,6 +88,8 @@ class PromptSample:
     ground_truth: str
     task: str = "default"
     options: list[str] = field(default_factory=list)
+    problem: str = ""
+    media: list[str] = field(default_factory=list)
 
     @property
     def prompt_length(self) -> int:
@@ -149,6 +154,10 @@ class TrainBatch:
             single-process case).
         source_rows: (N,) int64 row of each response in the step's whole batch, for a data-parallel
             rank's part (None: this is the whole batch).
+        reward_failed: (N,) bool, the reward function failed on the response (None: not scored).
+        old_logprobs_from_actor: the first PPO mini-batch's old-policy log-probs are the actor's own
+            forward before its first optimizer step (``runtime/old_policy.py``); ``old_logprobs``
+            then holds only the other mini-batches' rows (None when there are none).
     """
 
     prompts: list[PromptSample]
@@ -161,6 +170,8 @@ class TrainBatch:
     rollout_logprobs: Optional[torch.Tensor] = None
     mini_batches: Optional[list[MiniBatchSpec]] = None
     source_rows: Optional[torch.Tensor] = None
+    reward_failed: Optional[torch.Tensor] = None
+    old_logprobs_from_actor: bool = False
 
     @property
     def num_responses(self) -> int:
@@ -228,6 +239,7 @@ class TrainBatch:
             old_logprobs=take(self.old_logprobs),
             ref_logprobs=take(self.ref_logprobs),
             rollout_logprobs=take(self.rollout_logprobs),
+            reward_failed=take(self.reward_failed),
         )
 
 

@@ -3,14 +3,21 @@
 Legend: T frames, H/W pixels, C = 3 channels, Np patches, D = C * temporal_patch_size * patch_size**2
 patch features (1176 for Qwen2-VL: 3 * 2 * 14 * 14).
 
-Images follow transformers' ``Qwen2VLImageProcessorPil`` step by step (RGB conversion compositing
-alpha on white, ``smart_resize`` with factor ``patch_size * merge_size``, PIL BICUBIC resize,
+Images are first turned the way they are displayed (EXIF ``Orientation`` applied with
+``ImageOps.exif_transpose``, as browsers and phone galleries do) and brought to 8-bit RGB from any
+mode Pillow opens (16-bit and 32-bit integer and float grayscale scaled to 8 bits, premultiplied alpha
+un-premultiplied). Then they follow transformers'
+``Qwen2VLImageProcessorPil`` step by step (RGB conversion compositing alpha on white, ``smart_resize`` with factor ``patch_size * merge_size``, PIL BICUBIC resize,
 rescale by 1/255 in float64 then float32, OPENAI CLIP mean/std normalisation, patch layout
 ``(t, h/m, w/m, m, m, C, tp, p, p)``), so the output equals the processor's to float32 rounding.
 
-Videos: frames are sampled as qwen-vl-utils does (``fps`` frames per second of video, at least
-``min_frames``, at most ``max_frames``, a multiple of ``temporal_patch_size``, indices evenly spread by
-rounding a linspace over the clip) and each frame is then resized exactly like an image (PIL BICUBIC,
+Videos: frames are counted as qwen-vl-utils does (``fps`` frames per second of video, at least
+``min_frames``, at most ``max_frames``, a multiple of ``temporal_patch_size``) and picked by
+presentation timestamp: the frame nearest to each of ``n`` times evenly spread from the first to the
+last frame (for a constant frame rate these are qwen-vl-utils' rounded-linspace indices; for a
+variable one, e.g. a phone recording, index picks would drift from the requested times). The clip's
+duration comes from the timestamps too, and the sampled rate is qwen-vl-utils' ``n / duration``.
+Each frame is then resized exactly like an image (PIL BICUBIC,
 where qwen-vl-utils uses torchvision's antialiased bicubic); the per-frame pixel cap is ``max_pixels``
 as given (qwen-vl-utils additionally shrinks it by a total-pixel budget over all frames). The patch
 layout is that of ``Qwen2VLVideoProcessor``; a static video therefore gives the image path's patches.
@@ -26,7 +33,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -69,8 +76,34 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
     return h_bar, w_bar
 
 
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
+
+
+def _to_8bit_gray(image: Image.Image) -> Image.Image:
+    """Mode ``L`` copy of a high-bit-depth grayscale image (``I;16*``, ``I``, ``F``).
+
+    ``convert("L")`` clips these at 255, so a 16-bit ramp comes out almost all white. Instead:
+    16-bit modes map 0..65535 to 0..255 (divide by 257); ``I`` (32-bit, what older Pillow gives
+    16-bit PNGs) is taken as 16-bit when a value exceeds 255, else as 8-bit; ``F`` is taken as
+    0..1 when no value exceeds 1, else as 0..255. Values outside the range are clipped.
+    """
+    values = np.asarray(image).astype(np.float64)
+    top = float(values.max()) if values.size else 0.0
+    if image.mode in _SIXTEEN_BIT or (image.mode == "I" and top > 255):
+        values = np.clip(values, 0, 65535) / 257.0
+    elif image.mode == "F" and top <= 1.0:
+        values = values * 255.0
+    return Image.fromarray(np.clip(np.rint(values), 0, 255).astype(np.uint8))
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """RGB copy of ``image``; transparency is composited onto white (as transformers does)."""
+    """8-bit RGB copy of ``image`` in any mode Pillow opens; transparency is composited onto white
+    (as transformers does). High-bit-depth grayscale is scaled to 8 bits (``_to_8bit_gray``),
+    premultiplied ``La``/``RGBa`` are un-premultiplied first (Pillow cannot convert ``La`` to RGB)."""
+    if image.mode in _SIXTEEN_BIT + ("I", "F"):
+        image = _to_8bit_gray(image)
+    elif image.mode in ("La", "RGBa"):
+        image = image.convert("LA" if image.mode == "La" else "RGBA")
     if "A" in image.getbands() or image.info.get("transparency") is not None:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
@@ -87,7 +120,11 @@ def resolve_path(path: Union[str, os.PathLike], base_dir: Optional[Union[str, os
 
 
 def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = None) -> Image.Image:
-    """Open one image as a decoded RGB ``PIL.Image``.
+    """Open one image as a decoded 8-bit RGB ``PIL.Image``, oriented as displayed.
+
+    The EXIF ``Orientation`` tag is applied (``ImageOps.exif_transpose``): a JPEG stored 320x240
+    with Orientation 6 comes out 240x320, as a viewer shows it, from a path, bytes or a PIL image
+    alike. Every mode is mapped to RGB by :func:`to_rgb`.
 
     Args:
         item: a path (relative paths are resolved against ``base_dir``), a dict in the HF datasets
@@ -99,7 +136,7 @@ def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = No
         ValueError: the file or bytes cannot be decoded as an image, or ``item`` has another type.
     """
     if isinstance(item, Image.Image):
-        return to_rgb(item)
+        return to_rgb(ImageOps.exif_transpose(item))
     source: Any
     if isinstance(item, dict):
         if item.get("bytes") is not None:
@@ -119,7 +156,7 @@ def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = No
     try:
         with Image.open(source) as img:
             img.load()
-            return to_rgb(img)
+            return to_rgb(ImageOps.exif_transpose(img))
     except (UnidentifiedImageError, OSError, SyntaxError) as err:  # PIL raises all three on bad data
         raise ValueError(f"corrupt image {name}: {err}") from err
 
@@ -181,34 +218,66 @@ def patchify_images(images: list[Image.Image], *, min_pixels: int, max_pixels: i
     return pixel_values, torch.tensor(grids, dtype=torch.int64)
 
 
+def sample_frames_by_time(timestamps: np.ndarray, *, fps: float, max_frames: int, min_frames: int = 4,
+                          temporal_patch_size: int = 2) -> tuple[list[int], float]:
+    """Frames to read, picked by presentation time; the count follows qwen-vl-utils' ``smart_nframes``.
+
+    ``n = duration * fps`` clamped to ``[min_frames, max_frames]`` (rounded up / down to multiples
+    of ``temporal_patch_size``) and to the number of frames, then floored to a multiple of
+    ``temporal_patch_size``; ``duration`` is the end of the last frame minus the start of the first.
+    The frame whose start is nearest to each of ``np.linspace(first start, last start, n)`` is taken
+    (ties to the earlier frame). A clip shorter than ``temporal_patch_size`` frames gives all its
+    frames (``patchify_video`` pads by repeating the last one).
+
+    Args:
+        timestamps: (T, 2) float seconds, ``[start, end]`` of each frame in decode order (decord's
+            ``VideoReader.get_frame_timestamp``).
+
+    Returns:
+        ``(indices, sample_fps)``: sorted frame indices and ``n / duration`` frames per second
+        (qwen-vl-utils' ``sample_fps``; ``patchify_video`` turns it into ``second_per_grid_ts``).
+
+    Raises:
+        ValueError: no frames, timestamps not (T, 2), or a duration that is not positive.
+    """
+    stamps = np.asarray(timestamps, dtype=np.float64)
+    if stamps.ndim != 2 or stamps.shape[0] == 0 or stamps.shape[1] != 2:
+        raise ValueError(f"video with frame timestamps of shape {stamps.shape}: expected (T > 0, 2)")
+    total = stamps.shape[0]
+    duration = float(stamps[-1, 1] - stamps[0, 0])
+    if not duration > 0:
+        raise ValueError(f"video with {total} frames lasting {duration} s: nothing to sample")
+    if total < temporal_patch_size:
+        return list(range(total)), total / duration
+    factor = temporal_patch_size
+    lo = math.ceil(min_frames / factor) * factor
+    hi = max(factor, math.floor(max_frames / factor) * factor)
+    n = min(max(duration * fps, lo), hi, total)
+    n = max(factor, math.floor(n / factor) * factor)
+    starts = stamps[:, 0]
+    targets = np.linspace(starts[0], starts[-1], n)
+    right = np.clip(np.searchsorted(starts, targets), 1, total - 1)  # starts[right - 1] <= target <~ starts[right]
+    nearer_left = np.abs(targets - starts[right - 1]) <= np.abs(starts[right] - targets)
+    return np.where(nearer_left, right - 1, right).astype(np.int64).tolist(), n / duration
+
+
 def sample_frame_indices(total_frames: int, video_fps: float, *, fps: float, max_frames: int,
                          min_frames: int = 4, temporal_patch_size: int = 2) -> list[int]:
-    """Frame indices to read, chosen as qwen-vl-utils' ``smart_nframes`` + rounded linspace do.
-
-    ``n = total_frames / video_fps * fps`` clamped to ``[min_frames, max_frames]`` (rounded up / down
-    to multiples of ``temporal_patch_size``) and to ``total_frames``, then floored to a multiple of
-    ``temporal_patch_size``. A clip shorter than ``temporal_patch_size`` frames gives all its frames
-    (``patchify_video`` pads by repeating the last one).
+    """Frame indices of a constant-rate clip: :func:`sample_frames_by_time` on frames ``i / video_fps``.
 
     Raises:
         ValueError: ``total_frames`` or ``video_fps`` is not positive.
     """
     if total_frames <= 0 or not video_fps > 0:
         raise ValueError(f"video with {total_frames} frames at {video_fps} fps: nothing to sample")
-    if total_frames < temporal_patch_size:
-        return list(range(total_frames))
-    factor = temporal_patch_size
-    lo = math.ceil(min_frames / factor) * factor
-    hi = max(factor, math.floor(max_frames / factor) * factor)
-    n = total_frames / video_fps * fps
-    n = min(max(n, lo), hi, total_frames)
-    n = max(factor, math.floor(n / factor) * factor)
-    return np.rint(np.linspace(0, total_frames - 1, n)).astype(np.int64).tolist()
+    starts = np.arange(total_frames) / video_fps
+    return sample_frames_by_time(np.stack([starts, starts + 1 / video_fps], axis=1), fps=fps, max_frames=max_frames,
+                                 min_frames=min_frames, temporal_patch_size=temporal_patch_size)[0]
 
 
 def load_video(path: Union[str, os.PathLike], *, fps: float, max_frames: int, min_frames: int = 4,
                temporal_patch_size: int = 2) -> tuple[np.ndarray, float]:
-    """Read evenly sampled frames of a video file with decord.
+    """Read frames evenly spread in presentation time (:func:`sample_frames_by_time`) with decord.
 
     Args:
         path: video file (mp4 etc.).
@@ -218,7 +287,8 @@ def load_video(path: Union[str, os.PathLike], *, fps: float, max_frames: int, mi
 
     Returns:
         frames: (T, H, W, 3) uint8 RGB.
-        sample_fps: frames per second of the sampled sequence, ``T / total_frames * video_fps``.
+        sample_fps: frames per second of the sampled sequence, ``T / duration`` with the duration
+            from the frames' timestamps (``T / total_frames * video_fps`` for a constant rate).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -231,15 +301,16 @@ def load_video(path: Union[str, os.PathLike], *, fps: float, max_frames: int, mi
 
     try:
         reader = decord.VideoReader(str(path), ctx=decord.cpu(0), num_threads=1)
-        total, video_fps = len(reader), float(reader.get_avg_fps())
-        indices = sample_frame_indices(total, video_fps, fps=fps, max_frames=max_frames, min_frames=min_frames,
-                                       temporal_patch_size=temporal_patch_size)
+        if len(reader) == 0:
+            raise ValueError("no frames")
+        timestamps = reader.get_frame_timestamp(range(len(reader)))
+        indices, sample_fps = sample_frames_by_time(timestamps, fps=fps, max_frames=max_frames,
+                                                    min_frames=min_frames, temporal_patch_size=temporal_patch_size)
         frames = reader.get_batch(indices).asnumpy()
     except ValueError as err:
         raise ValueError(f"corrupt video {path}: {err}") from err
     except Exception as err:  # decord raises its own DECORDError (a RuntimeError) on bad data
         raise ValueError(f"corrupt video {path}: {type(err).__name__}: {err}") from err
-    sample_fps = len(indices) / max(total, 1e-6) * video_fps
     return np.ascontiguousarray(frames, dtype=np.uint8), sample_fps
 
 

@@ -271,7 +271,8 @@ def batch_shape(cfg: "Config", hf_config: Any) -> BatchShape:
     mini = cfg.actor.ppo_mini_batch_size if cfg.actor.ppo_mini_batch_size > 0 else cfg.data.rollout_batch_size
     return BatchShape(prompts=cfg.data.rollout_batch_size, n=cfg.rollout.n, prompt_tokens=cfg.data.max_prompt_length,
                       response_tokens=cfg.rollout.max_new_tokens, vision_patches=patches, mini_batch_prompts=mini,
-                      micro_groups=max(1, cfg.actor.micro_batch_size // cfg.rollout.n))
+                      # the torch engine trains one group per micro-batch with a shared prefix
+                      micro_groups=1 if cfg.model.shared_prefix else max(1, cfg.actor.micro_batch_size // cfg.rollout.n))
 
 
 def param_bytes_of(cfg: "Config") -> int:

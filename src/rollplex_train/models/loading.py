@@ -90,3 +90,22 @@ def load_vision_spec(path: str | Path) -> VisionSpec:
         spec["min_pixels"] = pcfg.get("min_pixels") or size.get("shortest_edge", VisionSpec.min_pixels)
         spec["max_pixels"] = pcfg.get("max_pixels") or size.get("longest_edge", VisionSpec.max_pixels)
     return VisionSpec(**spec)
+
+
+def dropout_rates(config: dict, prefix: str = "") -> dict[str, float]:
+    """Every ``*dropout*`` rate of a HF ``config.json`` dict (nested text/vision sections included),
+    by dotted key. A non-zero rate makes the actor's training-mode forward differ from its
+    eval-mode scoring pass (transformers' attention applies ``attention_dropout`` only in training)."""
+    rates: dict[str, float] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            rates.update(dropout_rates(value, f"{prefix}{key}."))
+        elif isinstance(key, str) and "dropout" in key and isinstance(value, (int, float)) and not isinstance(value, bool):
+            rates[f"{prefix}{key}"] = float(value)
+    return rates
+
+
+def checkpoint_has_dropout(path: str | Path) -> bool:
+    """Whether the checkpoint's ``config.json`` sets any dropout rate above zero."""
+    cfg = json.loads((check_checkpoint_dir(path) / "config.json").read_text())
+    return any(rate > 0 for rate in dropout_rates(cfg).values())

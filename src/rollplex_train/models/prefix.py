@@ -26,7 +26,13 @@ import torch
 
 from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.device import model_device
-from rollplex_train.models.sequence import logprobs_from_hidden, pad_prompts, prompt_columns, rope_positions
+from rollplex_train.models.sequence import (
+    embed_with_vision,
+    logprobs_from_hidden,
+    pad_prompts,
+    prompt_columns,
+    rope_positions,
+)
 
 
 _GRAPH_IDS = itertools.count()
@@ -89,34 +95,6 @@ class _SavedBytes:
         return t
 
 
-def _embed_with_vision(model, input_ids: torch.Tensor, vision: VisionInputs, vision_grad: bool) -> torch.Tensor:
-    """Token embeddings with the vision features scattered into the placeholder slots.
-
-    Args:
-        input_ids: (P, Lp) int64 padded prompts. vision: their vision inputs, concatenated.
-        vision_grad: build the vision tower's graph (False: frozen tower, features without grad).
-
-    Returns:
-        (P, Lp, H) input embeddings.
-    """
-    inner = model.model
-    embeds = inner.get_input_embeddings()(input_ids)
-    cfg = model.config
-    for pixels, grid, token_id, encode in (
-        (vision.pixel_values, vision.image_grid_thw, cfg.image_token_id, inner.get_image_features),
-        (vision.pixel_values_videos, vision.video_grid_thw, cfg.video_token_id, inner.get_video_features),
-    ):
-        if pixels is None:
-            continue
-        with torch.set_grad_enabled(vision_grad and torch.is_grad_enabled()):
-            feats = torch.cat(encode(pixels, grid, return_dict=True).pooler_output, dim=0)
-        slots = (input_ids == token_id).unsqueeze(-1)
-        if int(slots.sum()) != feats.shape[0]:
-            raise ValueError(f"{int(slots.sum())} placeholder tokens but {feats.shape[0]} vision features")
-        embeds = embeds.masked_scatter(slots, feats.to(embeds.dtype))
-    return embeds
-
-
 def encode_prefix(
     model,
     prompts: list[PromptSample],
@@ -148,7 +126,7 @@ def encode_prefix(
     counter = _SavedBytes(model)
     with torch.set_grad_enabled(with_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         position_ids, deltas = rope_positions(model, ids, mask, vision)
-        embeds = _embed_with_vision(model, ids, vision, vision_grad=with_grad and not freeze_vision)
+        embeds = embed_with_vision(model, ids, vision, vision_grad=with_grad and not freeze_vision)
         cache = DynamicCache(config=model.config)
         out = model.model.language_model(
             inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True

@@ -2,8 +2,14 @@
 
 Legend: N sequences, L tokens per (padded) sequence, R response tokens, H hidden size, V vocab.
 
-M-RoPE positions are always computed explicitly with the model's ``get_rope_index`` and the
-``mm_token_type_ids`` it needs (without them Qwen2.5-VL silently falls back to 1-D positions).
+M-RoPE positions are always computed explicitly, by our own function (``models/rope.py``, the
+reference rule of Qwen2-VL / Qwen2.5-VL) and passed to every pass: rollout prefill and decode,
+prefix, suffix and full-sequence scoring alike.
+
+Only prompt tokens are vision slots. A response is text to the model even when it contains
+``<|image_pad|>`` / ``<|video_pad|>`` ids: the full-sequence pass embeds the vision features into
+the prompt's placeholders only and gives response tokens text positions, as the split
+(prefix + suffix) pass does.
 """
 
 from __future__ import annotations
@@ -15,51 +21,97 @@ import torch.nn.functional as F
 
 from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.device import model_device
+from rollplex_train.models.rope import RopeSpec, mrope_positions
+from rollplex_train.models.logprobs import chosen_token_logprobs
+
+FULL_LOGSOFTMAX_MAX_BYTES = 256 * 1024**2
+"""Largest (N, R, V) float32 log-softmax materialised when scoring responses (above: chunked).
+256 MiB: 8k response tokens at Qwen2.5's 152k vocabulary take 4.6 GiB, the small checkpoint's
+64 x 128 tokens at 1088 entries 36 MiB."""
 
 
-def mm_token_type_ids(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """(N, L) int32: 0 for text, 1 for image placeholders, 2 for video placeholders."""
+def mm_token_type_ids(model, input_ids: torch.Tensor, vision_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(N, L) int32: 0 for text, 1 for image placeholders, 2 for video placeholders.
+
+    Args:
+        vision_mask: (N, L) bool, the tokens that may be vision slots (the prompt's); elsewhere a
+            placeholder id is text. None: every token.
+    """
     cfg = model.config
     types = torch.zeros_like(input_ids, dtype=torch.int32)
     types[input_ids == cfg.image_token_id] = 1
     types[input_ids == cfg.video_token_id] = 2
+    if vision_mask is not None:
+        types = types * vision_mask.to(types.dtype)
     return types
 
 
 def rope_positions(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: VisionInputs
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor, vision: VisionInputs,
+    vision_mask: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """M-RoPE position ids for padded sequences (left or right padding).
+    """M-RoPE position ids for padded sequences (left or right padding), ``models/rope.py``'s rule.
 
     Args:
         input_ids: (N, L) int64.
         attention_mask: (N, L) int64, 1 on real tokens.
         vision: the vision inputs of all N sequences, concatenated in sequence order.
+        vision_mask: (N, L) bool, tokens that may be vision slots (None: all; see mm_token_type_ids).
 
     Returns:
-        position_ids (3, N, L) int64 (padding positions are 0) and deltas (N, 1) int64 such that a
-        text token at real index k (0-based, counting only real tokens) has position ``k + delta``.
+        position_ids (3, N, L) int64 (padding positions are 0) and deltas (N, 1) int64 such that the
+        token after a sequence of ``num_real`` real tokens has position ``num_real + delta`` (the
+        sequence's largest position + 1; the rollout decodes and the suffix pass scores from there).
+
+    Raises:
+        ValueError: the placeholders disagree with the vision grids.
     """
+    num_real = attention_mask.long().sum(-1, keepdim=True)
     if vision.image_grid_thw is None and vision.video_grid_thw is None:
         pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0) * attention_mask.long()
         return pos.unsqueeze(0).expand(3, -1, -1).contiguous(), torch.zeros(input_ids.shape[0], 1, dtype=torch.long, device=input_ids.device)
-    kwargs = dict(
-        input_ids=input_ids,
-        mm_token_type_ids=mm_token_type_ids(model, input_ids),
-        image_grid_thw=vision.image_grid_thw,
-        video_grid_thw=vision.video_grid_thw,
-        attention_mask=attention_mask,
-    )
-    if vision.second_per_grid_ts is not None and "qwen2_5" in model.config.model_type:
-        kwargs["second_per_grid_ts"] = vision.second_per_grid_ts
-    position_ids, _ = model.model.get_rope_index(**kwargs)
-    # The next text token follows the *last real* token (transformers derives its delta from the
-    # largest position instead, which differs when a Qwen2.5-VL video with > 1 s per grid step ends
-    # the prompt).
-    mask = attention_mask.long()
-    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1, keepdim=True)
-    deltas = position_ids[0].gather(1, last) + 1 - mask.sum(-1, keepdim=True)
-    return position_ids, deltas.long()
+    position_ids, next_positions = mrope_positions(
+        RopeSpec.from_config(model.config), mm_token_type_ids(model, input_ids, vision_mask), attention_mask,
+        vision.image_grid_thw, vision.video_grid_thw, vision.second_per_grid_ts)
+    return position_ids, next_positions - num_real
+
+
+def embed_with_vision(model, input_ids: torch.Tensor, vision: VisionInputs, vision_grad: bool,
+                      vision_mask: Optional[torch.Tensor] = None, embed_tokens=None) -> torch.Tensor:
+    """Token embeddings with the vision features scattered into the placeholder slots.
+
+    Args:
+        input_ids: (N, L) int64 padded sequences. vision: their vision inputs, concatenated.
+        vision_grad: build the vision tower's graph (False: frozen tower, features without grad).
+        vision_mask: (N, L) bool, the tokens that may be vision slots (None: all); placeholder ids
+            outside it keep their text embedding.
+        embed_tokens: the token embedding module (None: the HF model's input embeddings; the
+            Megatron backend passes its vocab-parallel ``word_embeddings``).
+
+    Returns:
+        (N, L, H) input embeddings.
+
+    Raises:
+        ValueError: the number of slots differs from the number of vision features.
+    """
+    inner = model.model
+    embeds = (embed_tokens if embed_tokens is not None else inner.get_input_embeddings())(input_ids)
+    cfg = model.config
+    for pixels, grid, token_id, encode in (
+        (vision.pixel_values, vision.image_grid_thw, cfg.image_token_id, inner.get_image_features),
+        (vision.pixel_values_videos, vision.video_grid_thw, cfg.video_token_id, inner.get_video_features),
+    ):
+        if pixels is None:
+            continue
+        with torch.set_grad_enabled(vision_grad and torch.is_grad_enabled()):
+            feats = torch.cat(encode(pixels, grid, return_dict=True).pooler_output, dim=0)
+        slots = input_ids == token_id
+        if vision_mask is not None:
+            slots = slots & vision_mask
+        if int(slots.sum()) != feats.shape[0]:
+            raise ValueError(f"{int(slots.sum())} placeholder tokens but {feats.shape[0]} vision features")
+        embeds = embeds.masked_scatter(slots.unsqueeze(-1), feats.to(embeds.dtype))
+    return embeds
 
 
 def prompt_columns(length: int, width: int, side: str) -> slice:
@@ -153,19 +205,22 @@ def response_logprobs(
         response_ids: (N, R) int64; response_mask: (N, R) float32.
         temperature: logits are divided by it (the sampling distribution of the rollout).
 
+    Only the prompt columns (``< prompt_length``) are vision slots: response tokens are text.
+
     Returns:
         logprobs (N, R) float32 and, if requested, entropy (N, R) float32; both zero outside the mask.
     """
     dev = model_device(model)  # the inputs are built on CPU (data/types.py); the model may sit on a GPU
     input_ids, attention_mask, vision = input_ids.to(dev), attention_mask.to(dev), vision.to(dev)
     prompt_lengths, response_ids, response_mask = prompt_lengths.to(dev), response_ids.to(dev), response_mask.to(dev)
-    position_ids, _ = rope_positions(model, input_ids, attention_mask, vision)
-    out = model.model(
-        input_ids=input_ids,
+    prompt_mask = torch.arange(input_ids.shape[1], device=dev).view(1, -1) < prompt_lengths.view(-1, 1)
+    position_ids, _ = rope_positions(model, input_ids, attention_mask, vision, prompt_mask)
+    embeds = embed_with_vision(model, input_ids, vision, vision_grad=True, vision_mask=prompt_mask)
+    out = model.model.language_model(
+        inputs_embeds=embeds,
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=False,
-        **vision_kwargs(vision),
     )
     hidden = out.last_hidden_state  # (N, L, H)
     n, r = response_ids.shape
@@ -184,12 +239,24 @@ def logprobs_from_hidden(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """LM head + log-softmax on selected hidden states.
 
+    When the (N, R, V) float32 log-softmax would exceed ``FULL_LOGSOFTMAX_MAX_BYTES`` and the head is
+    a plain ``torch.nn.Linear`` (every HF checkpoint), the chosen tokens' log-probs and the entropy
+    come from ``models/logprobs.py`` in chunks of rows (no (N, R, V) tensor is materialised or kept
+    for backward). Below that size the full log-softmax runs: it gives the same values to float
+    rounding, and AdamW's per-element normalisation would turn that rounding into weight
+    differences above 1e-6 after a few steps.
+
     Args:
         hidden: (N, R, H) hidden states whose logits score ``response_ids`` (N, R).
 
     Returns:
         logprobs (N, R) float32 and optional entropy (N, R) float32, zero outside ``response_mask``.
     """
+    vocab = model.lm_head.weight.shape[0] if type(model.lm_head) is torch.nn.Linear else 0
+    if vocab and hidden.shape[0] * hidden.shape[1] * vocab * 4 > FULL_LOGSOFTMAX_MAX_BYTES:
+        logprobs, entropy = chosen_token_logprobs(hidden, model.lm_head, response_ids, temperature=temperature,
+                                                  with_entropy=with_entropy)
+        return logprobs * response_mask, (entropy * response_mask if with_entropy else None)
     logits = model.lm_head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature

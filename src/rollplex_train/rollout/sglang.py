@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from rollplex_train.registry import MissingExtraError
 from rollplex_train.data.types import PromptSample, Response
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
 from rollplex_train.rollout.sglang_memory import phase_transition
@@ -56,11 +57,6 @@ log = logging.getLogger(__name__)
 SGLANG_VERSION = "0.5.23"
 EXTRA = "sglang"
 TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-class MissingExtraError(ImportError, ValueError):
-    """An optional dependency group (pip extra) a chosen component needs is not installed. A
-    ``ValueError`` too, so the CLI reports it as a one-line config error."""
 
 
 def check_available(cfg: Any = None) -> None:

@@ -61,18 +61,23 @@ def group_rows(batch: TrainBatch, indices: list[int]) -> torch.Tensor:
 
 
 def score_responses(reward: RewardManager, batch: TrainBatch, responses: list[Response]):
-    """(N,) float32 scores and reward metrics for the batch's responses."""
+    """(N,) float32 scores and reward metrics for the batch's responses; the responses whose
+    reward function failed are marked in ``batch.reward_failed``."""
     prompts = [batch.prompts[g] for g in batch.group_index.tolist()]
-    return reward.score(
+    scores, batch.reward_failed, metrics = reward.score_with_failures(
         [r.text for r in responses],
         [p.ground_truth for p in prompts],
         [p.uid for p in prompts],
         [list(p.options) for p in prompts],
     )
+    return scores, metrics
 
 
 def add_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor) -> dict[str, float]:
     """Fill ``batch.advantages`` with the configured estimator (KL in the reward if enabled).
+
+    With ``reward.on_failure=exclude`` the responses in ``batch.reward_failed`` get advantage 0 and
+    stay out of their group's statistics; with ``zero`` they count as scored 0.
 
     Returns:
         ``critic/*`` metrics (scores, token rewards, advantages, returns).
@@ -92,6 +97,7 @@ def add_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor) -> dict
         norm_adv_by_std=algo.norm_adv_by_std,
         gamma=algo.gamma,
         token_level_rewards=token_rewards,
+        exclude=batch.reward_failed if cfg.reward.on_failure == "exclude" else None,
     )
     batch.advantages = advantages
     mask = batch.response_mask.bool()
@@ -110,14 +116,19 @@ def add_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor) -> dict
 
 
 def batch_metrics(batch: TrainBatch, responses: list[Response], max_new_tokens: int) -> dict[str, float]:
-    """``response_length/*``, ``prompt_length/*`` and the rollout-vs-actor log-prob mismatch."""
+    """``response_length/*``, ``prompt_length/*`` and the rollout-vs-actor log-prob mismatch.
+
+    ``response_length/clip_ratio`` is the fraction of responses cut at ``max_new_tokens``
+    (``finish_reason == "length"``); one that ended on EOS or a stop string exactly at the limit
+    is not clipped.
+    """
     lengths = batch.response_mask.sum(-1)
     prompt_lengths = torch.tensor([float(batch.prompts[g].prompt_length) for g in batch.group_index.tolist()])
     out = {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/min": float(lengths.min()),
-        "response_length/clip_ratio": float((lengths >= max_new_tokens).float().mean()),
+        "response_length/clip_ratio": sum(r.finish_reason == "length" for r in responses) / max(len(responses), 1),
         "prompt_length/mean": float(prompt_lengths.mean()),
         "prompt_length/max": float(prompt_lengths.max()),
     }

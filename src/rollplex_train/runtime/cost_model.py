@@ -9,6 +9,11 @@ taken from ``prior_parallel_fraction`` while only one is known. The first measur
 (kind, threads) pair carries one-time warm-up costs (allocator growth, kernel selection, lazy
 initialisation), so the second measurement replaces it instead of being averaged with it.
 
+Noise: every later measurement's relative deviation from the current rate, ``|new / rate - 1|``, is
+kept as an EMA per (kind, threads) (``prior_noise`` until one is seen); the planner's margin for
+noise is built from it. The *gain shortfall* is an EMA of how far an overlapped step's measured
+gain over no overlap fell short of the planned gain (:meth:`observe_gain`).
+
 Units: seconds, tokens, threads. Pure Python, no processes.
 """
 
@@ -40,6 +45,12 @@ class CostModel:
     """Measured cost of one change of the device shares (seconds), EMA."""
     counts: dict[tuple[str, int], int] = field(default_factory=dict)
     """Measurements seen per (kind, threads)."""
+    prior_noise: float = 0.05
+    """Relative step-to-step deviation assumed for a (kind, threads) rate until one is measured."""
+    noise: dict[tuple[str, int], float] = field(default_factory=dict)
+    """EMA of the relative deviation of a measurement from the rate it updates, per (kind, threads)."""
+    gain_shortfall_s: float = 0.0
+    """EMA of ``max(0, planned gain - realised gain)`` over overlapped steps, seconds."""
 
     def observe(self, kind: str, tokens: int, threads: int, seconds: float) -> None:
         """Record that ``tokens`` of ``kind`` took ``seconds`` on ``threads`` threads.
@@ -56,11 +67,25 @@ class CostModel:
         seen = self.counts.get((kind, threads), 0)
         self.counts[(kind, threads)] = seen + 1
         old = by_threads.get(threads)
+        if seen >= 2 and old > 0:  # past the warm-up measurement: how far this one strays
+            deviation = abs(rate / old - 1.0)
+            prev = self.noise.get((kind, threads))
+            self.noise[(kind, threads)] = deviation if prev is None else (1 - self.ema) * prev + self.ema * deviation
         by_threads[threads] = rate if seen <= 1 else (1 - self.ema) * old + self.ema * rate
 
     def observe_switch(self, seconds: float) -> None:
         """Record one re-share of the device (thread counts / MPS share changed)."""
         self.switch_s = seconds if self.switch_s is None else (1 - self.ema) * self.switch_s + self.ema * seconds
+
+    def observe_gain(self, planned_s: float, realised_s: float) -> None:
+        """Record an overlapped step: the planner's predicted gain over no overlap and the measured
+        one (seconds); the shortfall ``max(0, planned - realised)`` joins the planner's margin."""
+        shortfall = max(0.0, planned_s - realised_s)
+        self.gain_shortfall_s = (1 - self.ema) * self.gain_shortfall_s + self.ema * shortfall
+
+    def relative_noise(self, kind: str, threads: int) -> float:
+        """Measured relative step-to-step deviation of ``kind`` at ``threads`` (the prior if none)."""
+        return self.noise.get((kind, threads), self.prior_noise)
 
     def known(self, kind: str, threads: Optional[int] = None) -> bool:
         """Whether ``kind`` was measured (at ``threads``, if given)."""
@@ -108,13 +133,17 @@ class CostModel:
         """JSON-ready state (rates, measurement counts, switch cost) for the driver's checkpoint."""
         return {"rates": {k: {str(c): r for c, r in v.items()} for k, v in self.rates.items()},
                 "counts": [[kind, threads, n] for (kind, threads), n in self.counts.items()],
-                "switch_s": self.switch_s}
+                "switch_s": self.switch_s,
+                "noise": [[kind, threads, v] for (kind, threads), v in self.noise.items()],
+                "gain_shortfall_s": self.gain_shortfall_s}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (a resumed run plans at once, no re-profiling)."""
         self.rates = {k: {int(c): float(r) for c, r in v.items()} for k, v in state["rates"].items()}
         self.counts = {(kind, int(threads)): int(n) for kind, threads, n in state["counts"]}
         self.switch_s = state["switch_s"]
+        self.noise = {(kind, int(threads)): float(v) for kind, threads, v in state.get("noise", [])}
+        self.gain_shortfall_s = float(state.get("gain_shortfall_s", 0.0))
 
     def metrics(self) -> dict[str, float]:
         """``cost/<kind>@<threads>``: the current rates in microseconds per token (step metrics)."""

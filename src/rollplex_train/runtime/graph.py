@@ -115,7 +115,7 @@ class StepGraph:
 
 def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_steps: int, mini_batch_groups: int,
                      needs_reference: bool, weights_version: int, prefix_bytes_per_token: float = 0.0,
-                     actor_bytes_per_token: float = 0.0) -> StepGraph:
+                     actor_bytes_per_token: float = 0.0, old_from_actor_groups: int = 0) -> StepGraph:
     """The task graph of one step.
 
     Args:
@@ -127,6 +127,8 @@ def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_s
         weights_version: the rollout's weights version for this step.
         prefix_bytes_per_token / actor_bytes_per_token: state bytes per prompt token of a no-grad
             prefix (KV cache) / an actor prefix with its autograd graph.
+        old_from_actor_groups: the first this-many groups take their old-policy log-probs from the
+            actor's own forward in the first mini-batch (``runtime/old_policy.py``): no old tasks.
 
     Raises:
         ValueError: no groups, or ``mini_batch_groups`` < 1.
@@ -137,13 +139,13 @@ def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_s
         raise ValueError(f"mini_batch_groups={mini_batch_groups}: expected >= 1")
     g = StepGraph(decode_steps=decode_steps)
     v = weights_version
-    roles = ["old"] + (["ref"] if needs_reference else [])
+    ref_roles = ["ref"] if needs_reference else []
     num_groups = len(prompt_tokens)
     num_mini = (num_groups + mini_batch_groups - 1) // mini_batch_groups
     for i, tokens in enumerate(prompt_tokens):
         g.add(Task(f"decode/g{i}", "decode", "rollout", i, tokens=response_tokens, weights_version=v))
         g.add(Task(f"reward/g{i}", "reward", "driver", i, deps=(f"decode/g{i}",), weights_version=v))
-        for role in roles:
+        for role in (ref_roles if i < old_from_actor_groups else ["old", *ref_roles]):
             prefix = g.add(Task(f"prefix/{role}/g{i}", f"prefix/{role}", "train", i, tokens=tokens,
                                 weights_version=v, movable=True,
                                 creates_bytes=int(tokens * prefix_bytes_per_token)))
@@ -156,7 +158,8 @@ def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_s
     previous = "adv"
     for k in range(num_mini):
         groups = range(k * mini_batch_groups, min(num_groups, (k + 1) * mini_batch_groups))
-        deps = [previous] + [f"suffix/{role}/g{i}" for i in groups for role in roles]
+        deps = [previous] + [f"suffix/{role}/g{i}" for i in groups for role in ["old", *ref_roles]
+                             if f"suffix/{role}/g{i}" in g.tasks]
         frees: tuple[str, ...] = ()
         if k == 0:
             deps += [f"prefix/actor/g{i}" for i in groups]

@@ -12,6 +12,15 @@ prefix work:
   until their suffix tasks run). When the admitted tasks are done the decoder gets the whole device
   back for the rest of the window. Tasks not admitted run after decode on the whole device.
 
+An overlap is chosen only when its predicted gain over no overlap exceeds a *margin* (:meth:`PhasePlanner.margin_s`):
+the measured cost of sharing the device is already in the prediction (decode's rate at its share
+of the device, measured while the window's prefix tasks ran beside it), and the margin adds
+``MARGIN_Z`` times the measured step-to-step noise of the rates involved, the measured shortfall
+of earlier overlapped steps (planned minus realised gain, ``CostModel.observe_gain``) and
+``MIN_MARGIN_FRAC`` of the step. Otherwise the planner falls back to no overlap, so a step is not
+planned slower than the same step without overlap. The schedule logs the planned gain and the
+realised one (``rollplex/planned_gain_s``, ``rollplex/realised_gain_s``; :meth:`PhasePlanner.realised_gain_s`).
+
 Only movable tasks (prefix tasks under the rollout's weights version) are ever placed in the window.
 While the cost model lacks a measurement the planner returns a *profiling* plan: no overlap until
 decode and every prefix kind have a post-warm-up measurement on the whole device (two steps), then
@@ -22,6 +31,7 @@ Pure Python: no Ray, no tensors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,6 +40,11 @@ from rollplex_train.runtime.graph import StepGraph, Task
 
 DEFAULT_SWITCH_S = 0.005
 """Assumed cost of one re-share until it is measured (seconds)."""
+MARGIN_Z = 2.0
+"""Standard deviations of measured rate noise an overlap's gain must clear."""
+MIN_MARGIN_FRAC = 0.01
+"""Smallest margin, as a fraction of the no-overlap time (re-share and bookkeeping costs that the
+model does not see)."""
 
 
 @dataclass
@@ -46,6 +61,10 @@ class WindowPlan:
         predicted_no_overlap_s: the same for the no-overlap placement (the planner's baseline).
         window_bytes: prefix-state bytes the window tasks leave alive.
         candidates: predicted seconds of every placement considered, by name.
+        planned_gain_s: predicted seconds saved over no overlap (0 without overlap).
+        margin_s: the gain an overlap had to exceed to be chosen (seconds).
+        prefix_full_s: predicted seconds of all movable tasks on the whole device (the no-overlap
+            placement's prefix work; the realised gain is measured against it).
     """
 
     mode: str
@@ -57,6 +76,9 @@ class WindowPlan:
     predicted_no_overlap_s: Optional[float] = None
     window_bytes: int = 0
     candidates: dict[str, float] = field(default_factory=dict)
+    planned_gain_s: float = 0.0
+    margin_s: float = 0.0
+    prefix_full_s: Optional[float] = None
 
     @property
     def overlaps(self) -> bool:
@@ -93,21 +115,55 @@ class PhasePlanner:
             return WindowPlan("plan", self.total, 0)
         if not all(cost.calibrated(k, self.total) for k in ("decode", *kinds)):
             return WindowPlan("profile_serial", self.total, 0, [], run_order(movable))
+        decode_steps = graph.decode_steps
+        prefix_s = sum(cost.seconds(t.kind, t.tokens, self.total) for t in movable)
+        baseline = cost.seconds("decode", decode_steps, self.total) + prefix_s
         if self.total > 1 and (not cost.known("decode", split[0]) or not all(cost.known(k, split[1]) for k in kinds)):
             window = self._fit_memory(movable)
             return WindowPlan("profile_split", split[0], split[1], run_order(window),
                               run_order([t for t in movable if t not in window]),
-                              window_bytes=sum(t.creates_bytes for t in window))
-        decode_steps = graph.decode_steps
-        baseline = cost.seconds("decode", decode_steps, self.total) + sum(
-            cost.seconds(t.kind, t.tokens, self.total) for t in movable)
+                              predicted_no_overlap_s=baseline, window_bytes=sum(t.creates_bytes for t in window),
+                              prefix_full_s=prefix_s)
         plans = [WindowPlan("plan", self.total, 0, [], run_order(movable), baseline)]
         plans += [self._overlap(movable, decode_steps, self.total - c, c, cost) for c in range(1, self.total)]
         best = min(plans, key=lambda p: p.predicted_s)  # the first minimum: no overlap wins a tie
+        margin = self.margin_s(cost, decode_steps, movable, baseline, best.decode_share)
+        if baseline - best.predicted_s <= margin:
+            best = plans[0]  # the gain is not there (within the noise): no overlap
+        best.planned_gain_s = baseline - best.predicted_s
+        best.margin_s, best.prefix_full_s = margin, prefix_s
         best.predicted_no_overlap_s = baseline
         best.candidates = {"no_overlap" if p.train_share == 0 else f"overlap_{p.decode_share}_{p.train_share}":
                            p.predicted_s for p in plans}
         return best
+
+    def margin_s(self, cost: CostModel, decode_steps: int, movable: list[Task], baseline_s: float,
+                 decode_share: int) -> float:
+        """Seconds an overlap's predicted gain must exceed: ``MARGIN_Z`` x the measured noise of the
+        rates in play (decode on the whole device and at ``decode_share``, each prefix kind; rates
+        of one kind move together, so their seconds are summed per kind before the quadrature sum),
+        plus the shortfall of earlier overlapped steps, plus ``MIN_MARGIN_FRAC`` of ``baseline_s``."""
+        per_kind: dict[tuple[str, int], float] = {("decode", self.total): cost.seconds("decode", decode_steps, self.total)}
+        if decode_share != self.total:
+            per_kind[("decode", decode_share)] = cost.seconds("decode", decode_steps, decode_share)
+        for t in movable:
+            key = (t.kind, self.total)
+            per_kind[key] = per_kind.get(key, 0.0) + cost.seconds(t.kind, t.tokens, self.total)
+        spread = math.sqrt(sum((cost.relative_noise(kind, threads) * s) ** 2 for (kind, threads), s in per_kind.items()))
+        return MARGIN_Z * spread + cost.gain_shortfall_s + MIN_MARGIN_FRAC * baseline_s
+
+    @staticmethod
+    def realised_gain_s(plan: WindowPlan, cost: CostModel, decode_steps: int, actual_s: float) -> float:
+        """Measured seconds an overlapped step saved over the same step without overlap: the
+        no-overlap time of the work it did (``decode_steps`` at the whole device's decode rate plus
+        ``plan.prefix_full_s``) minus ``actual_s`` (decode start to the end of all movable work).
+        0 for a step without overlap. Feeds the shortfall into ``cost`` (``observe_gain``)."""
+        if not plan.overlaps or plan.prefix_full_s is None:
+            return 0.0
+        total = plan.decode_share + plan.train_share
+        realised = cost.seconds("decode", decode_steps, total) + plan.prefix_full_s - actual_s
+        cost.observe_gain(plan.planned_gain_s, realised)
+        return realised
 
     def _fit_memory(self, tasks: list[Task]) -> list[Task]:
         """The longest prefix of ``tasks`` whose state fits the memory budget."""

@@ -28,6 +28,7 @@ from rollplex_train.data.types import PromptSample
 from rollplex_train.runtime import batching
 from rollplex_train.runtime.cost_model import CostModel
 from rollplex_train.runtime.graph import build_step_graph
+from rollplex_train.runtime.old_policy import first_mini_batch_groups
 from rollplex_train.runtime.planner import PhasePlanner, WindowPlan
 from rollplex_train.runtime.protocol import get_all, wait_first
 from rollplex_train.runtime.serial import SerialSchedule, sampling_params
@@ -122,6 +123,7 @@ class RollplexSchedule(SerialSchedule):
             needs_reference=cfg.algorithm.needs_reference, weights_version=self.weights_version,
             prefix_bytes_per_token=max(self.bytes_per_token.get("old", 0.0), self.bytes_per_token.get("ref", 0.0)),
             actor_bytes_per_token=self.bytes_per_token.get("actor", 0.0),
+            old_from_actor_groups=first_mini_batch_groups(cfg, len(prompts)) if self.old_from_actor else 0,
         )
 
     def _set_share(self, wanted: tuple[int, int], current: tuple[int, int], t: dict[str, float]) -> tuple[int, int]:
@@ -147,10 +149,11 @@ class RollplexSchedule(SerialSchedule):
         split = (plan.decode_share, plan.train_share) if plan.overlaps else w.halves()
         stream_suffix = self.cfg.schedule.stream_suffix and total > 1 and plan.mode != "profile_serial"
         self.streamed = {"actor": {}, "ref": {}}
-        roles = ["actor"] + (["ref"] if self.cfg.algorithm.needs_reference else [])
+        # tail suffixes: old log-probs (role "actor") only where no mini-batch reuses the actor's forward
+        roles = ([] if self.old_from_actor else ["actor"]) + (["ref"] if self.cfg.algorithm.needs_reference else [])
         groups: dict[int, list] = {}
         submitted: set[int] = set()
-        tail: list[tuple[list[int], list]] = []  # suffix calls in flight: (prompt indices, refs per role)
+        tail: list[tuple[list[int], list, list]] = []  # suffix calls in flight: (prompt indices, roles, refs)
         # shares change only while the training worker is idle (its calls run in order)
         share = self._set_share(split if plan.overlaps else full, full, t)
         with tl.span("gen", "rollout", t):
@@ -159,7 +162,7 @@ class RollplexSchedule(SerialSchedule):
             window = self._submit(step_prompts, prefix_calls(plan.window_tasks)) if plan.overlaps else []
             pending, decoding = list(window), True
             while decoding:
-                wait_first([stream.next_future(), *pending, *(p for _, ps in tail for p in ps)])
+                wait_first([stream.next_future(), *pending, *(p for *_, ps in tail for p in ps)])
                 for r in stream.take():
                     groups.setdefault(r.prompt_index, []).append(r)
                 n_done = sum(len(rs) == self.cfg.rollout.n for rs in groups.values())
@@ -167,14 +170,14 @@ class RollplexSchedule(SerialSchedule):
                 pending = [p for p in pending if not p.done()]
                 self._collect_tail(tail, wait=False)
                 fresh = sorted(set(groups) - submitted)
-                start_tail = decoding and stream_suffix and bool(fresh) and not pending and not tail
+                start_tail = decoding and stream_suffix and bool(roles) and bool(fresh) and not pending and not tail
                 share = self._set_share(split if pending or tail or start_tail else full, share, t)
                 if start_tail:  # suffix tasks of the groups already finished, beside the decode tail
                     batch = batching.groups_batch(prompts, groups, fresh, self.pad_id)
                     temp = self.cfg.rollout.temperature
                     parts = w.train.parts(batch, self.step_prompts_for(batch), len(batch.prompts))
-                    tail.append((fresh, [w.train.compute_log_probs(parts, role, temp, batch.num_responses)
-                                         for role in roles]))
+                    tail.append((fresh, roles, [w.train.compute_log_probs(parts, role, temp, batch.num_responses)
+                                                for role in roles]))
                     submitted.update(fresh)
             gen_end = tl.now()
         if pending or tail:
@@ -182,16 +185,16 @@ class RollplexSchedule(SerialSchedule):
                 get_all(pending)
                 self._collect_tail(tail, wait=True)
         self._set_share(full, share, t)
-        scored = set(self.streamed["actor"])  # their old/ref suffixes already ran (in the tail)
-        after_tasks = [n for n in plan.after_tasks
-                       if n.split("/")[1] == "actor" or int(n.split("/")[2][1:]) not in scored]
+        tail_role = {"old": "actor", "ref": "ref"}  # prefix role -> the suffix role scored in the tail
+        after_tasks = [n for n in plan.after_tasks  # groups whose old/ref suffixes already ran need no prefix
+                       if n.split("/")[1] == "actor" or int(n.split("/")[2][1:]) not in self.streamed[tail_role[n.split("/")[1]]]]
         with tl.span("prefix_after", "train", t):
             after = get_all(self._submit(step_prompts, prefix_calls(after_tasks)))
         results = [r for per_dp in get_all(window) + after for r in per_dp]  # (dp, result dict)
         responses = [r for i in range(len(prompts)) for r in groups[i]]
         self._observe(responses, results, w.rollout.decode_stats(), len(prompts))
         metrics = self._metrics(plan, [r for _, r in results], gen_start, gen_end)
-        metrics["rollplex/tail_groups"] = float(len(self.streamed["actor"]))
+        metrics["rollplex/tail_groups"] = float(max(len(v) for v in self.streamed.values()))
         return responses, metrics
 
     def _collect_tail(self, tail: list, wait: bool) -> None:
@@ -199,11 +202,11 @@ class RollplexSchedule(SerialSchedule):
         ((n, R_g) log-probs of that group's rows); ``wait=True`` waits for all."""
         n = self.cfg.rollout.n
         for entry in list(tail):
-            indices, pendings = entry
+            indices, roles, pendings = entry
             if not wait and not all(p.done() for p in pendings):
                 continue
             tail.remove(entry)
-            for role, logp in zip(("actor", "ref"), get_all(pendings)):
+            for role, logp in zip(roles, get_all(pendings)):
                 for k, i in enumerate(indices):  # groups_batch keeps each group's n rows together, in order
                     self.streamed[role][i] = logp[k * n : (k + 1) * n]
 
@@ -265,6 +268,9 @@ class RollplexSchedule(SerialSchedule):
             if results else decode_s,
             "prefix/bytes_held": results[-1]["prefix/bytes_held"] if results else 0.0,
         }
+        metrics["rollplex/planned_gain_s"] = plan.planned_gain_s  # over no overlap; 0 when none is planned
+        metrics["rollplex/realised_gain_s"] = self.planner.realised_gain_s(plan, self.cost, self.decode_steps,
+                                                                           metrics["planner/actual_s"])
         metrics.update({f"timing_s/prefix_{role}": s for role, s in by_role.items()})
         metrics.update(self.cost.metrics())
         if plan.predicted_s is not None:

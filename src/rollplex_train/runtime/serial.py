@@ -12,12 +12,15 @@ moved. With ``sharing.enabled=false`` the state dict is pickled through Ray and 
 
 from __future__ import annotations
 
+import torch
+
 from rollplex_train.algo.rewards import RewardManager
 from rollplex_train.config import Config
 from rollplex_train.data.types import PromptSample
 from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.runtime import batching
 from rollplex_train.runtime.planner import place_groups
+from rollplex_train.runtime.old_policy import actor_forward_is_old_policy, old_pass_groups
 from rollplex_train.runtime.timeline import Timeline
 from rollplex_train.tracking.timing import compute_throughput, timer, timing_metrics
 
@@ -53,6 +56,7 @@ class SerialSchedule:
         self.sharing_metrics = {"sharing/shared_bytes_frac": 0.0}
         self.sync_metrics: dict[str, float] = {}
         self.imbalance: dict[str, float] = {}  # timing_s/<phase>_imbalance of the last step (DP > 1)
+        self.old_from_actor = actor_forward_is_old_policy(cfg)  # the first mini-batch skips the old pass
         if cfg.sharing.enabled:
             self.share_weights()
 
@@ -122,6 +126,22 @@ class SerialSchedule:
         uid_rank = {p.uid: r for p, r in zip(self.step_prompts.prompts, self.step_prompts.rank_of_group)}
         return self.workers.train.place(batch.prompts, [uid_rank[p.uid] for p in batch.prompts])
 
+    def old_log_prob_phase(self, batch, temperature: float, t: dict[str, float]) -> None:
+        """Old-policy log-probs of the groups that need the separate pass (all, or those outside the
+        first mini-batch when it reuses the actor's forward: ``runtime/old_policy.py``)."""
+        batch.old_logprobs_from_actor = self.old_from_actor
+        groups = old_pass_groups(self.cfg, len(batch.prompts), self.old_from_actor)
+        if not groups:
+            return
+        with self.timeline.span("old_log_prob", "train", t):
+            if len(groups) == len(batch.prompts):
+                batch.old_logprobs = self.log_probs(batch, "actor", temperature)
+                return
+            old = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+            logp = self.log_probs(batch.select_groups(groups), "actor", temperature)
+            old[batching.group_rows(batch, groups), : logp.shape[1]] = logp
+            batch.old_logprobs = old
+
     def run_step(self, prompts: list[PromptSample], step: int) -> dict[str, float]:
         """One synchronous on-policy step; returns the step's metrics."""
         cfg, w = self.cfg, self.workers
@@ -140,8 +160,7 @@ class SerialSchedule:
                 scores, metrics = batching.score_responses(self.reward, batch, responses)
             self.last_rollout = (batch, responses, scores)  # for trainer.rollout_data_dir
             metrics.update(window_metrics)
-            with tl.span("old_log_prob", "train", t):
-                batch.old_logprobs = self.log_probs(batch, "actor", temp)
+            self.old_log_prob_phase(batch, temp, t)
             if cfg.algorithm.needs_reference:
                 with tl.span("ref", "train", t):
                     batch.ref_logprobs = self.log_probs(batch, "ref", temp)

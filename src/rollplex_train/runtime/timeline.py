@@ -59,6 +59,18 @@ class Timeline:
                            "ts": round(s.start_s * 1e6, 1), "dur": round((s.end_s - s.start_s) * 1e6, 1)})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
+    @classmethod
+    def from_chrome_trace(cls, path: Path) -> "Timeline":
+        """Read back what :meth:`write_chrome_trace` wrote (spans in seconds, rows by thread name).
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+        """
+        data = json.loads(Path(path).read_text())
+        rows = {e["tid"]: e["args"]["name"] for e in data["traceEvents"] if e["ph"] == "M"}
+        return cls(origin=0.0, spans=[Span(e["name"], rows[e["tid"]], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+                                      for e in data["traceEvents"] if e["ph"] == "X"])
+
     def write_chrome_trace(self, path: Path) -> Path:
         """Write :meth:`chrome_trace` to ``path`` (parents created)."""
         path = Path(path)
@@ -75,7 +87,7 @@ def plot_gantt(timelines: dict[str, Timeline], path: Path, title: str = "") -> P
     import matplotlib.pyplot as plt
 
     names = sorted({s.name for tl in timelines.values() for s in tl.spans})
-    colours = {n: plt.cm.tab10(i % 10) for i, n in enumerate(names)}
+    colours = {n: (plt.cm.tab10 if len(names) <= 10 else plt.cm.tab20)(i % 20) for i, n in enumerate(names)}
     horizon = max((s.end_s for tl in timelines.values() for s in tl.spans), default=1.0)
     fig, axes = plt.subplots(len(timelines), 1, figsize=(11, 1.6 * len(timelines) + 0.8), sharex=True, squeeze=False)
     for ax, (label, tl) in zip(axes[:, 0], timelines.items()):

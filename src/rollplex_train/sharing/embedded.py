@@ -153,8 +153,13 @@ def map_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
 def weights_digest(model: torch.nn.Module) -> dict[str, str]:
     """``{parameter name: sha256 of its bytes}`` (tied weights once): equal digests mean bit-equal
     weights, compared across processes without sending the weights."""
+    return tensors_digest(dict(model.named_parameters()))
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """``{name: sha256 of the tensor's bytes}`` (what ``weights_digest`` computes per parameter)."""
     out = {}
-    for name, p in model.named_parameters():
-        data = p.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+    for name, t in tensors.items():
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
         out[name] = hashlib.sha256(memoryview(data)).hexdigest()
     return out

@@ -260,20 +260,23 @@ def megatron_vocab_divisor(vocab: int, t: int, rollout_multiple: int = 64) -> in
 def plan_sharing(shapes: dict[str, tuple[int, ...]], dims: Dims, *, t: int, r: int,
                  train_kind: str = "megatron", rollout_kind: str = "sglang", split_qkv: bool = False,
                  split_gate_up: bool = False, itemsize: int = 2,
-                 vocab_divisible_by: Optional[int] = None) -> SharePlan:
+                 vocab_divisible_by: Optional[int] = None, train_layout: Optional[Layout] = None) -> SharePlan:
     """Plan the weight sharing of HF parameters ``shapes`` (``models.arch.parameter_shapes``).
 
     Args:
         t, r: training and rollout TP degrees.
         itemsize: bytes per element (2 for bf16).
         vocab_divisible_by: megatron's divisor; None picks ``megatron_vocab_divisor``.
+        train_layout: the training side's layout as built by its backend (e.g. the Megatron
+            backend's: ``megatron`` language model, whole HF vision tower); None builds
+            ``train_kind`` at ``t``.
 
     Raises:
         ValueError: a degree the layouts cannot split (``build_layout``) or too many devices.
     """
     vocab = next((s[0] for n, s in shapes.items() if n.endswith("embed_tokens.weight")), 1)
     divisor = vocab_divisible_by or megatron_vocab_divisor(vocab, t)
-    train = build_layout(train_kind, t, shapes, dims, vocab_divisible_by=divisor)
+    train = train_layout or build_layout(train_kind, t, shapes, dims, vocab_divisible_by=divisor)
     rollout = build_layout(rollout_kind, r, shapes, dims, split_qkv=split_qkv, split_gate_up=split_gate_up)
     indexes = [index_rank(specs) for specs in train.ranks]
     overlap = [[_local_bytes(rollout.ranks[j], indexes[i], shapes, itemsize) for i in range(t)] for j in range(r)]

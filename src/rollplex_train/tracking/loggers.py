@@ -10,9 +10,12 @@ Non-finite values (NaN, +-inf) are passed through unchanged to console, tensorbo
 In ``metrics.jsonl`` they are written as ``null`` so that every line is strict JSON (``jq``,
 pandas and other JSON readers accept it); :func:`read_metrics_jsonl` reads ``null`` back as NaN.
 
-On resume the jsonl file is appended to, so steps logged after the last checkpoint of a crashed run
-appear twice; :func:`read_metrics_jsonl` keeps the last record per step. A fresh run (``fresh=True``:
-not a resume) in a directory that already holds a ``metrics.jsonl`` moves it to ``metrics.jsonl.prev``.
+A resume keeps one history: ``resume_step=k`` cuts ``metrics.jsonl`` back to the records of steps
+``<= k`` (the steps a crashed run logged after its last checkpoint are logged again by the resumed
+run), opens TensorBoard with ``purge_step=k + 1`` (its events of later steps are dropped by every
+reader) and continues the same wandb run (``wandb_run_id``, saved with the checkpoint). A fresh run
+(``resume_step=None``) in a directory that already holds a ``metrics.jsonl`` moves it to
+``metrics.jsonl.prev``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
+
+from rollplex_train.tracking.wandb_run import WandbBackend, wandb_mode_from_env
 
 __all__ = ["LOGGER_NAMES", "Tracker", "read_metrics_jsonl", "wandb_mode_from_env"]
 
@@ -85,12 +90,14 @@ class _ConsoleBackend:
 class _JsonlBackend:
     """Appends ``{"step": s, **metrics}`` to ``metrics.jsonl``, flushing after every line."""
 
-    def __init__(self, output_dir: Path, fresh: bool = False) -> None:
+    def __init__(self, output_dir: Path, resume_step: Optional[int] = None) -> None:
         self.path = output_dir / METRICS_FILE
-        if fresh and self.path.exists():  # a new run (not a resume) in a used directory
+        if resume_step is None and self.path.exists():  # a new run (not a resume) in a used directory
             backup = self.path.with_name(METRICS_FILE + ".prev")
             os.replace(self.path, backup)
             log.warning("new run: the previous %s was moved to %s", self.path, backup)
+        elif resume_step is not None and self.path.exists():
+            self._cut_back(resume_step)
         needs_newline = False
         if self.path.exists() and self.path.stat().st_size > 0:
             # A crash mid-write can leave a partial last line; start the next record on a fresh line.
@@ -101,6 +108,25 @@ class _JsonlBackend:
         if needs_newline:
             self._file.write("\n")
             self._file.flush()
+
+    def _cut_back(self, last_step: int) -> None:
+        """Keep the lines of steps ``<= last_step`` (verbatim; unparsable lines dropped), atomically."""
+        kept, dropped = [], 0
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    keep = int(json.loads(line)["step"]) <= last_step
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+                    keep = False
+                if keep:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+                else:
+                    dropped += line.strip() != ""
+        if dropped:
+            tmp = self.path.with_name(METRICS_FILE + ".tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, self.path)
+            log.info("resume at step %d: dropped %d later line(s) of %s", last_step, dropped, self.path)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         record: dict[str, Any] = {"step": step}
@@ -117,12 +143,14 @@ class _JsonlBackend:
 class _TensorboardBackend:
     """``torch.utils.tensorboard.SummaryWriter`` at ``<output_dir>/tensorboard``."""
 
-    def __init__(self, output_dir: Path, config: Mapping[str, Any]) -> None:
+    def __init__(self, output_dir: Path, config: Mapping[str, Any], resume_step: Optional[int] = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = output_dir / "tensorboard"
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
-        if config:
+        # purge_step: readers drop this directory's events of steps >= it (logged before a crash)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir),
+                                     purge_step=None if resume_step is None else resume_step + 1)
+        if config and resume_step is None:
             text = json.dumps(config, indent=2, sort_keys=True, default=str)
             self._writer.add_text("config", f"```\n{text}\n```", global_step=0)
 
@@ -135,56 +163,6 @@ class _TensorboardBackend:
         self._writer.close()
 
 
-def wandb_mode_from_env(environ: Mapping[str, str] | None = None) -> str:
-    """The wandb mode this process will use: ``"online"``, ``"offline"`` or ``"disabled"``.
-
-    ``WANDB_MODE`` of ``offline``/``dryrun`` -> offline, ``disabled`` -> disabled. Otherwise online
-    only when ``WANDB_API_KEY`` is set; with no key the run is offline (no account, no network).
-    """
-    env = os.environ if environ is None else environ
-    mode = env.get("WANDB_MODE", "").strip().lower()
-    if mode in ("offline", "dryrun"):
-        return "offline"
-    if mode == "disabled":
-        return "disabled"
-    return "online" if env.get("WANDB_API_KEY") else "offline"
-
-
-class _WandbBackend:
-    """A wandb run whose files all live in ``<output_dir>/wandb``.
-
-    Sets ``WANDB_DIR``, ``WANDB_CACHE_DIR``, ``WANDB_CONFIG_DIR``, ``WANDB_DATA_DIR`` and
-    ``WANDB_ARTIFACT_DIR`` in ``os.environ`` (wandb reads several of them only from the
-    environment), overriding earlier values. Offline init measured at ~0.5 s (wandb 0.31, 2 cores).
-    """
-
-    def __init__(self, output_dir: Path, project: str, experiment: str, config: Mapping[str, Any]) -> None:
-        self.dir = output_dir / "wandb"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
-            os.environ[var] = str(self.dir)
-        os.environ.setdefault("WANDB_SILENT", "true")
-        self.mode = wandb_mode_from_env()
-        import wandb
-
-        settings = wandb.Settings(silent=True, console="off", save_code=False, x_save_requirements=False)
-        self._run = wandb.init(
-            project=project,
-            name=experiment,
-            config=dict(config),
-            dir=str(self.dir),
-            mode=self.mode,
-            settings=settings,
-        )
-        log.info("wandb run %s (%s) in %s", experiment, self.mode, self.dir)
-
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        self._run.log(metrics, step=step)
-
-    def close(self) -> None:
-        self._run.finish()
-
-
 class Tracker:
     """Fans each step's metrics out to the chosen backends.
 
@@ -195,6 +173,13 @@ class Tracker:
         project: Project name (wandb project).
         experiment: Experiment name (wandb run name).
         config: The resolved run config as a plain dict (wandb config; tensorboard text "config").
+        resume_step: The checkpoint step a resumed run continues from (None: a fresh run); see
+            the module docstring.
+        wandb_run_id: The wandb run to continue (saved with the checkpoint); None: a new id.
+        wandb_init_timeout_s: Most seconds the wandb start may take before it falls back to offline.
+
+    Attributes:
+        wandb_run_id: The wandb run's id (None without the wandb logger): save it with checkpoints.
 
     Raises:
         ValueError: An unknown logger name (raised before any backend is created).
@@ -209,32 +194,36 @@ class Tracker:
         project: str,
         experiment: str,
         config: Mapping[str, Any] | None = None,
-        fresh: bool = False,
+        resume_step: Optional[int] = None,
+        wandb_run_id: Optional[str] = None,
+        wandb_init_timeout_s: float = 30.0,
     ) -> None:
         names = list(dict.fromkeys(loggers))
-        self.fresh = fresh
+        self.resume_step = resume_step
         unknown = [name for name in names if name not in LOGGER_NAMES]
         if unknown:
             raise ValueError(f"trainer.loggers: unknown logger(s) {unknown}; choose from {list(LOGGER_NAMES)}")
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.names = names
+        self.wandb_run_id: Optional[str] = None
         self._backends: dict[str, _Backend] = {}
+        config = dict(config or {})
         try:
             for name in names:
-                self._backends[name] = self._make(name, project, experiment, dict(config or {}))
+                if name == "console":
+                    self._backends[name] = _ConsoleBackend()
+                elif name == "jsonl":
+                    self._backends[name] = _JsonlBackend(self.output_dir, resume_step)
+                elif name == "tensorboard":
+                    self._backends[name] = _TensorboardBackend(self.output_dir, config, resume_step)
+                else:
+                    run = WandbBackend(self.output_dir, project, experiment, config, wandb_run_id,
+                                       wandb_init_timeout_s)
+                    self._backends[name], self.wandb_run_id = run, run.run_id
         except BaseException:
             self.close()
             raise
-
-    def _make(self, name: str, project: str, experiment: str, config: dict[str, Any]) -> _Backend:
-        if name == "console":
-            return _ConsoleBackend()
-        if name == "jsonl":
-            return _JsonlBackend(self.output_dir, self.fresh)
-        if name == "tensorboard":
-            return _TensorboardBackend(self.output_dir, config)
-        return _WandbBackend(self.output_dir, project, experiment, config)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log one step's metrics to every backend.

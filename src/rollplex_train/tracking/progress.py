@@ -20,16 +20,23 @@ class ProgressBar:
         initial: Steps already done (``> 0`` when resuming).
         enabled: ``False`` -> no bar and no output at all; every method is a no-op.
 
-    The bar writes to stderr (tqdm's default). Use it as a context manager or call :meth:`close`.
+    The bar writes to stderr (tqdm's default). While it is open, the console handlers of the root
+    logger write through ``tqdm.write`` (``tqdm.contrib.logging.logging_redirect_tqdm``), so a log
+    line is printed above the bar instead of being glued to it. Use it as a context manager or call
+    :meth:`close`.
     """
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True) -> None:
         self.enabled = bool(enabled)
         self._bar: Any = None
+        self._redirect: Any = None
         if self.enabled:
             from tqdm.auto import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self._bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+            self._redirect = logging_redirect_tqdm(tqdm_class=tqdm)
+            self._redirect.__enter__()
 
     def update(self, step_metrics: Mapping[str, Any] | None = None, num_steps: int = 1) -> None:
         """Advance by ``num_steps`` and show ``score`` and ``step_s`` from ``step_metrics``.
@@ -58,6 +65,9 @@ class ProgressBar:
 
     def close(self) -> None:
         """Close the bar (idempotent)."""
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -140,7 +140,8 @@ class TrainEngine(abc.ABC):
 
 TRAIN_ENGINES: Registry[Callable[..., TrainEngine]] = Registry(
     "actor.backend",
-    modules={"torch": "rollplex_train.training.torch_engine"},  # the Megatron adapter is not built yet
+    modules={"torch": "rollplex_train.training.torch_engine",
+             "megatron": "rollplex_train.training.megatron.engine"},
 )
 register_train_engine = TRAIN_ENGINES.register
 

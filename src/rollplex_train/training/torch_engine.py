@@ -10,6 +10,7 @@ how responses are split into micro-batches).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import time
@@ -22,7 +23,7 @@ from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.device import compute_context, layout_device
-from rollplex_train.models.loading import load_model, load_tokenizer
+from rollplex_train.models.loading import dropout_rates, load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
 from rollplex_train.training.base import PrefixPasses
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
@@ -57,6 +58,17 @@ def _rows(batch: TrainBatch, rows: torch.Tensor) -> dict[str, Optional[torch.Ten
     )
 
 
+def build_optimizer(params: list[torch.nn.Parameter], actor: ActorConfig):
+    """AdamW over ``params`` and its linear warm-up over ``actor.lr_warmup_steps`` optimizer steps
+    (``LambdaLR``: factor ``min(1, (step + 1) / warmup)``)."""
+    optimizer = torch.optim.AdamW(params, lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay)
+    warmup = max(actor.lr_warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+    )
+    return optimizer, scheduler
+
+
 @register_train_engine("torch")
 class TorchTrainEngine(TrainEngine):
     """Actor and reference as transformers models on one device (``cpu``, or ``cuda:<local index>`` of the
@@ -89,13 +101,7 @@ class TorchTrainEngine(TrainEngine):
             self.actor.model.visual.requires_grad_(False)
         self.params = [p for p in self.actor.parameters() if p.requires_grad]
         self.dp = parallelize_torch(self.params, layout, rank)
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay
-        )
-        warmup = max(actor.lr_warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.params, actor)
         self.weights_version = 0
         self.param_version = 0  # optimizer steps taken by this process (keys actor prefix states)
         self.prefixes = PrefixStore(owner="train-worker")
@@ -109,27 +115,26 @@ class TorchTrainEngine(TrainEngine):
         """Log-probs of the responses at ``rows``: full sequences, or shared prefix + suffixes."""
         part = _rows(batch, rows)
         if not self.model_cfg.shared_prefix:
-            ids, mask, plen, vision = build_full_sequences(
-                batch.prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
-            )
             with self._compute():
-                out = response_logprobs(model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
-                                        temperature=temperature, with_entropy=with_entropy)
+                out = self._score_full(model, batch.prompts, part, temperature, with_entropy)
             return self._on_device(part), out
-        groups = sorted(set(part["group_index"].tolist()))
-        prompts = [batch.prompts[g] for g in groups]
+        groups = set(part["group_index"].tolist())
+        assert len(groups) == 1, "with a shared prefix a micro-batch is one group (_micro_batches)"
+        prompt = batch.prompts[groups.pop()]
         store_role, version = self._prefix_key(role)
-        missing = [p for p in prompts if not self.prefixes.holds(p.uid, store_role, version)]
-        if missing:  # not precomputed (e.g. in a decode window): compute now
-            self._encode(missing, store_role)
-        states = [self.prefixes.take(p.uid, store_role, version) for p in prompts]
-        local = torch.tensor([groups.index(g) for g in part["group_index"].tolist()], dtype=torch.long)
+        if not self.prefixes.holds(prompt.uid, store_role, version):  # not precomputed in a decode window
+            self._encode([prompt], store_role)
+        state = self.prefixes.take(prompt.uid, store_role, version)
+        # the group's own width, not the batch's: the numbers do not depend on which groups share a call
+        width = max(1, int(part["response_mask"].sum(-1).max()))
         with self._compute():
-            out = self.prefix_passes.score(model, states, local, part["response_ids"], part["response_mask"],
-                                           temperature=temperature, with_entropy=with_entropy)
-        for p in prompts:  # the suffix pass was the last consumer (backward holds its own references)
-            self.prefixes.release(p.uid, store_role, version)
-        return self._on_device(part), out
+            logp, ent = self.prefix_passes.score(model, [state], torch.zeros(len(rows), dtype=torch.long),
+                                                 part["response_ids"][:, :width], part["response_mask"][:, :width],
+                                                 temperature=temperature, with_entropy=with_entropy)
+        self.prefixes.release(prompt.uid, store_role, version)  # the suffix pass was its last consumer
+        pad = part["response_ids"].shape[1] - width
+        return self._on_device(part), (torch.nn.functional.pad(logp, (0, pad)),
+                                       None if ent is None else torch.nn.functional.pad(ent, (0, pad)))
 
     def _compute(self):
         """The forward-pass precision context (``model.compute_dtype``; ``device.py``)."""
@@ -138,6 +143,19 @@ class TorchTrainEngine(TrainEngine):
     def _on_device(self, part: dict) -> dict:
         """The per-response tensors of ``part`` on the actor's device (the loss inputs)."""
         return {k: None if v is None else v.to(self.device) for k, v in part.items()}
+
+    def _score_full(self, model, prompts, part: dict, temperature: float, with_entropy: bool):
+        """(N, R) log-probs (and entropy) of ``part``'s responses from full-sequence forwards (the
+        model call another backend replaces, as it replaces ``prefix_passes``)."""
+        ids, mask, plen, vision = build_full_sequences(
+            prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
+        )
+        return response_logprobs(model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
+                                 temperature=temperature, with_entropy=with_entropy)
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Global L2 norm of the actor's gradients; scales them to at most ``max_norm``."""
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
 
     def _prefix_key(self, role: str) -> tuple[str, object]:
         """(store role, version) of a pass: ``ref`` (frozen), ``old`` (actor, no grad) or ``actor``
@@ -150,11 +168,14 @@ class TorchTrainEngine(TrainEngine):
         return "ref" if store_role == "ref" else self.param_version
 
     def _encode(self, prompts, store_role: str) -> None:
+        """Prefix states of ``prompts``, one prefix pass per prompt: a prompt's numbers (padding,
+        batch shape, autograd graph) are the same whichever prompts a call brings along."""
         model = self.ref if store_role == "ref" else self.actor
         version = self._prefix_version(store_role)
         with torch.set_grad_enabled(store_role == "actor"), self._compute():
-            for state in self.prefix_passes.encode(model, prompts, version=version, with_grad=store_role == "actor",
-                                       freeze_vision=self.model_cfg.freeze_vision_tower):
+            for prompt in prompts:
+                state, = self.prefix_passes.encode(model, [prompt], version=version, with_grad=store_role == "actor",
+                                                   freeze_vision=self.model_cfg.freeze_vision_tower)
                 self.prefixes.put(store_role, state)
 
     def precompute_prefixes(self, prompts, roles: list[str], weights_version: int) -> dict[str, float]:
@@ -194,22 +215,19 @@ class TorchTrainEngine(TrainEngine):
 
     def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """Split ``rows`` into micro-batches of at most ``micro_batch_size`` responses; with a shared
-        prefix, whole groups only (at least one group per micro-batch), so each prefix gets one
-        backward."""
+        prefix, one group per micro-batch, groups in ascending index order.
+
+        One group per micro-batch fixes the composition of every prefix and suffix pass whatever
+        call or phase the group arrives in (a decode-tail call with the groups finished so far, the
+        window's prefix tasks, the update): the results are bit-identical however the schedule
+        places the work, and each prefix graph gets exactly one backward, in a fixed order.
+        """
         if not self.model_cfg.shared_prefix:
             return list(rows.split(self.cfg.micro_batch_size))
         by_group: dict[int, list[int]] = {}
         for row in rows.tolist():
             by_group.setdefault(int(batch.group_index[row]), []).append(row)
-        chunks, current = [], []
-        for group_rows in by_group.values():
-            if current and len(current) + len(group_rows) > self.cfg.micro_batch_size:
-                chunks.append(torch.tensor(current))
-                current = []
-            current += group_rows
-        if current:
-            chunks.append(torch.tensor(current))
-        return chunks
+        return [torch.tensor(by_group[g]) for g in sorted(by_group)]
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
@@ -220,33 +238,53 @@ class TorchTrainEngine(TrainEngine):
         if model is None:
             raise ValueError("reference log-probs requested but no KL is configured (algorithm.kl_coef/use_kl_*)")
         model.eval()
-        logps, ents = [], []
+        logps = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
+        ents = torch.zeros_like(logps) if with_entropy else None
         for rows in self._micro_batches(batch, torch.arange(batch.num_responses)):
             _, (lp, ent) = self._forward(model, role, batch, rows, temperature, with_entropy)
-            logps.append(lp)
-            ents.append(ent)
-        home = batch.response_ids.device  # results go back where the batch lives (the driver's CPU)
-        return torch.cat(logps).to(home), (torch.cat(ents).to(home) if with_entropy else None)
+            logps[rows] = lp.to(logps.device)  # results go back where the batch lives (the driver's CPU)
+            if with_entropy:
+                ents[rows] = ent.to(ents.device)
+        return logps, ents
 
     # ---- update -----------------------------------------------------------------------------------
     def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
-        if batch.advantages is None or batch.old_logprobs is None:
-            raise ValueError("update_actor needs batch.advantages and batch.old_logprobs")
-        use_kl = self.algo.use_kl_loss and self.ref is not None
-        if use_kl and batch.ref_logprobs is None:
-            raise ValueError("algorithm.use_kl_loss is on but batch.ref_logprobs is missing")
+        """PPO epochs x mini-batches x micro-batches over ``batch`` (see the module docstring).
+
+        With ``batch.old_logprobs_from_actor`` the first mini-batch of the first epoch takes its
+        old-policy log-probs from its own forward (``old = logp.detach()``: ratio exactly 1), and
+        later epochs reuse those values (``runtime/old_policy.py``).
+
+        Raises:
+            ValueError: advantages, old log-probs (of the mini-batches that need them) or reference
+                log-probs (with the KL loss) missing; ``old_logprobs_from_actor`` on a model with dropout.
+        """
         num_prompts = len(batch.prompts)
         mini = self.cfg.ppo_mini_batch_size if self.cfg.ppo_mini_batch_size > 0 else num_prompts
         specs = batch.plan_mini_batches(max(1, mini))
+        from_actor = batch.old_logprobs_from_actor
+        if batch.advantages is None or (batch.old_logprobs is None and not (from_actor and len(specs) == 1)):
+            raise ValueError("update_actor needs batch.advantages and batch.old_logprobs (all mini-batches but "
+                             "the first when old_logprobs_from_actor)")
+        if from_actor and any(r > 0 for r in dropout_rates(self.actor.config.to_dict()).values()):
+            raise ValueError("old_logprobs_from_actor: the checkpoint has dropout, so the training forward is "
+                             "not the old policy; set actor.recompute_old_log_prob=true")
+        use_kl = self.algo.use_kl_loss and self.ref is not None
+        if use_kl and batch.ref_logprobs is None:
+            raise ValueError("algorithm.use_kl_loss is on but batch.ref_logprobs is missing")
+        if from_actor:  # filled by the first mini-batch's forward, read again by later epochs
+            old = batch.old_logprobs.clone() if batch.old_logprobs is not None else torch.zeros_like(batch.response_mask)
+            batch = dataclasses.replace(batch, old_logprobs=old)
         sums: dict[str, float] = {}
         count = 0
         if self._shared is not None:  # in-place writes ahead: the rollout refuses until publish_weights
             self._shared.begin_update()
         self.actor.train()
-        for _ in range(self.cfg.ppo_epochs):
-            for spec in specs:
+        for epoch in range(self.cfg.ppo_epochs):
+            for index, spec in enumerate(specs):
                 metrics = self._update_mini_batch(batch, batch.rows_of(spec.groups), use_kl, temperature,
-                                                  spec.num_tokens, spec.num_seqs)
+                                                  spec.num_tokens, spec.num_seqs,
+                                                  old_from_actor=from_actor and epoch == 0 and index == 0)
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
@@ -273,12 +311,13 @@ class TorchTrainEngine(TrainEngine):
         return out
 
     def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool, temperature: float,
-                           num_tokens: int, num_seqs: int) -> dict[str, float]:
+                           num_tokens: int, num_seqs: int, old_from_actor: bool = False) -> dict[str, float]:
         """One optimizer step over this rank's ``rows`` of a mini-batch of ``num_tokens`` response
-        tokens in ``num_seqs`` responses over all DP ranks; gradients summed over the DP group."""
+        tokens in ``num_seqs`` responses over all DP ranks; gradients summed over the DP group.
+        ``old_from_actor``: this mini-batch's old-policy log-probs are its own forward, detached."""
         cfg = self.cfg
-        metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0,
-                   "actor/kl_loss": 0.0, "actor/entropy": 0.0}
+        metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/pg_clipfrac_lower": 0.0,
+                   "actor/ppo_kl": 0.0, "actor/kl_loss": 0.0, "actor/entropy": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
         micros = self._micro_batches(batch, rows)
         graphs = self._held_actor_graphs(batch, micros)
@@ -286,13 +325,18 @@ class TorchTrainEngine(TrainEngine):
             part, (logp, ent) = self._forward(self.actor, "actor", batch, micro, temperature, with_entropy=True)
             mask = part["response_mask"]
             weight = float(mask.sum()) / max(num_tokens, 1)  # token share of this micro-batch
+            old = part["old_logprobs"]
+            if old_from_actor:  # the weights that sampled: this forward is the old policy
+                old = logp.detach()
+                batch.old_logprobs[micro] = old
             loss, pg = policy_loss(
-                logp, part["old_logprobs"], part["advantages"], mask,
-                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                logp, old, part["advantages"], mask,
+                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
                 loss_agg_mode=cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
             )
             metrics["actor/pg_loss"] += float(loss.detach())
             metrics["actor/pg_clipfrac"] += pg["actor/pg_clipfrac"] * weight
+            metrics["actor/pg_clipfrac_lower"] += pg["actor/pg_clipfrac_lower"] * weight
             metrics["actor/ppo_kl"] += pg["actor/ppo_kl"] * weight
             entropy = agg_loss(ent, mask, cfg.loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
             metrics["actor/entropy"] += float(entropy.detach())
@@ -308,7 +352,7 @@ class TorchTrainEngine(TrainEngine):
         self.dp.all_reduce_grads()
         metrics = self.dp.sum_metrics(metrics, tuple(metrics))  # each rank's share of the global means
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = self._clip_grad_norm(max_norm)
         if math.isfinite(grad_norm):
             self.optimizer.step()
             self.scheduler.step()

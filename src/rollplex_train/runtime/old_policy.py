@@ -1,0 +1,37 @@
+"""Where the old-policy log-probs are the actor's own forward (the pass TRL's GRPOTrainer skips).
+
+PPO's ratio is ``exp(logp - old_logp)`` with ``old_logp`` the log-probs under the weights that
+sampled the responses. The actor update's first mini-batch runs its forward on exactly those
+weights (synchronous on-policy: nothing has stepped the optimizer yet), at the same temperature,
+so its detached log-probs *are* the old-policy log-probs; TRL's GRPOTrainer takes
+``old = current.detach()`` there too (``trl/trainer/grpo_trainer.py::_compute_loss``, 1.16). The
+separate no-grad pass is then only needed for the other mini-batches, whose forward runs after one
+or more optimizer steps. Later PPO epochs reuse the first epoch's detached values.
+
+Provable only when the training-mode forward equals the eval-mode scoring pass: no dropout in the
+checkpoint (``models.loading.checkpoint_has_dropout``). ``actor.recompute_old_log_prob=true`` keeps
+the separate pass for every mini-batch.
+"""
+
+from __future__ import annotations
+
+from rollplex_train.config import Config
+from rollplex_train.models.loading import checkpoint_has_dropout
+
+
+def actor_forward_is_old_policy(cfg: Config) -> bool:
+    """Whether the first mini-batch takes its old-policy log-probs from the actor's own forward."""
+    return not cfg.actor.recompute_old_log_prob and not checkpoint_has_dropout(cfg.model.path)
+
+
+def first_mini_batch_groups(cfg: Config, num_groups: int) -> int:
+    """Prompt groups in the first PPO mini-batch (``actor.ppo_mini_batch_size``, -1: all)."""
+    mini = cfg.actor.ppo_mini_batch_size
+    return num_groups if mini <= 0 else min(mini, num_groups)
+
+
+def old_pass_groups(cfg: Config, num_groups: int, reuse: bool) -> list[int]:
+    """Groups whose old-policy log-probs need the separate pass: all without ``reuse``, else the
+    groups outside the first mini-batch (none when one mini-batch takes the whole batch)."""
+    start = first_mini_batch_groups(cfg, num_groups) if reuse else 0
+    return list(range(start, num_groups))

@@ -1,0 +1,27 @@
+"""Dependency floors in pyproject.toml cover the APIs the code calls."""
+
+from __future__ import annotations
+
+import tomllib
+
+import datasets
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from conftest import ROOT
+
+
+def _requirement(name: str) -> Requirement:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (req,) = [Requirement(d) for d in deps if Requirement(d).name == name]
+    return req
+
+
+def test_datasets_floor_has_list_feature():
+    """data/dataset.py calls ``datasets.List`` and reads parquet files whose metadata names the
+    ``List`` feature type; both arrived in datasets 4.0 (3.x raises AttributeError /
+    ``Feature type 'List' not found``). The floor must exclude every 3.x release."""
+    req = _requirement("datasets")
+    assert not req.specifier.contains("3.6.0")
+    assert req.specifier.contains("4.0.0")
+    assert Version(datasets.__version__) in req.specifier and hasattr(datasets, "List")

@@ -1,0 +1,183 @@
+"""What a new user meets first, without a cluster: bad rows found up front, finished runs, paths
+resolved from any directory, resolvable configs, one-line endings, self-contained rollout dumps."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import CLI, EMBEDDED_CKPT, EMBEDDED_TASKS, ROOT
+from rollplex_train.config import Config, DataConfig, ModelConfig, TrainerConfig
+from rollplex_train.data.dataset import PromptDataset
+from rollplex_train.data.types import Response
+from rollplex_train.paths import resolve_config_paths
+from rollplex_train.runtime.batching import to_train_batch
+
+
+def _config(embedded_assets, out: Path, **trainer) -> Config:
+    tasks, ckpt = embedded_assets
+    return Config(model=ModelConfig(path=str(ckpt)),
+                  data=DataConfig(train_files=str(tasks / "train.parquet"), val_files="", rollout_batch_size=4),
+                  trainer=TrainerConfig(output_dir=str(out), loggers=["jsonl"], **trainer))
+
+
+def _bad_rows(tmp_path: Path) -> Path:
+    """A manifest of 5 rows: one good, the others bad for different reasons."""
+    good = str(EMBEDDED_TASKS / "media" / "color" / "train" / "000000.png")
+    rows = [
+        {"problem": "<image>Colour?", "answer": "red", "images": [good]},
+        {"problem": "<image>Colour?", "answer": "red", "images": ["media/nowhere.png"]},
+        {"problem": "<image>Colour?", "answer": "red", "images": [str(tmp_path / "gone.png")]},
+        {"problem": "Colour?", "answer": "red", "images": [good]},  # no placeholder for the image
+        {"problem": None, "answer": "red", "images": []},
+    ]
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_rows_are_checked_up_front_with_counts_by_reason(tmp_path, tiny_tokenizer, caplog):
+    files = str(_bad_rows(tmp_path))
+    dataset = PromptDataset(DataConfig(train_files=files, val_files=""), tiny_tokenizer, files, "train")
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.data.dataset"):
+        skipped = dataset.precheck()
+    assert dict(skipped) == {"missing_media": 2, "placeholder_mismatch": 1, "bad_schema": 1}
+    assert dataset.num_bad == 4
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "4 of 5 rows skipped" in warnings[0] and "nowhere.png" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.data.dataset"):
+        assert [dataset.get(i) is None for i in range(5)] == [False, True, True, True, True]
+    assert caplog.records == [] and dict(dataset.skipped) == dict(skipped)  # skipped once, not again
+
+
+def test_data_without_a_batch_fails_in_one_line_before_any_worker(embedded_assets, tmp_path):
+    import ray
+
+    from rollplex_train.trainer import Trainer
+
+    cfg = _config(embedded_assets, tmp_path / "run")
+    cfg.data.train_files = str(_bad_rows(tmp_path))
+    with pytest.raises(ValueError) as err:
+        Trainer(cfg, tmp_path / "run")
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("data.train_files=")
+    assert "1 of 5 rows are usable" in message and "'missing_media': 2" in message
+    assert "data.rollout_batch_size=4" in message
+    assert not ray.is_initialized()
+
+
+def test_a_finished_run_says_so(embedded_assets, tmp_path, caplog):
+    import ray
+
+    from rollplex_train.trainer import Trainer
+
+    out = tmp_path / "run"
+    step_dir = out / "checkpoints" / "global_step_3"
+    step_dir.mkdir(parents=True)
+    (step_dir / "trainer_state.json").write_text(json.dumps({"step": 3, "wandb_run_id": None}))
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("3")
+    trainer = Trainer(_config(embedded_assets, out, total_steps=3), out)
+    with caplog.at_level(logging.INFO, logger="rollplex_train.trainer"):
+        assert trainer.fit() == {}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "nothing to do" in lines[0] and "global_step_3" in lines[0]
+    assert "step 3 and trainer.total_steps=3" in lines[0]
+    assert not ray.is_initialized() and not (out / "metrics.jsonl").exists()
+
+
+def test_default_paths_resolve_from_any_directory(embedded_assets, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = resolve_config_paths(Config(), ROOT)
+    assert cfg.model.path == str(EMBEDDED_CKPT.resolve())
+    assert cfg.data.train_files == str((EMBEDDED_TASKS / "train.parquet").resolve())
+    (tmp_path / "mine.parquet").write_text("x")  # the working directory wins over the project root
+    cfg = resolve_config_paths(Config(data=DataConfig(train_files="mine.parquet,artifacts/data/visual_tasks/val.parquet")),
+                               ROOT)
+    assert cfg.data.train_files.split(",") == [str(tmp_path / "mine.parquet"),
+                                               str((EMBEDDED_TASKS / "val.parquet").resolve())]
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_config_paths(Config(model=ModelConfig(path="ckpts/none")), ROOT)
+    assert str(err.value) == (f"model.path='ckpts/none': not found; tried {tmp_path / 'ckpts/none'} and "
+                              f"{ROOT / 'ckpts/none'}")
+
+
+def test_cli_from_another_directory_names_the_paths_tried(tmp_path):
+    proc = subprocess.run([str(CLI), "model.path=ckpts/none", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (f"rollplex-train: error: model.path='ckpts/none': not found; tried "
+                                   f"{tmp_path / 'ckpts/none'} and {ROOT / 'ckpts/none'}")
+
+
+def test_every_experiment_config_resolves(tmp_path):
+    for experiment in sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml")):
+        proc = subprocess.run([str(CLI), f"+experiment={experiment}", "--cfg", "job", "--resolve"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (experiment, proc.stderr[-2000:])
+        assert "output_dir: null" in proc.stdout and "${" not in proc.stdout, experiment
+
+
+class _Trainer:
+    def __init__(self, step: int, last):
+        self.step, self._last = step, last
+
+    def last_checkpoint(self):
+        return self._last
+
+
+def test_interrupt_and_reward_failure_end_in_one_line(capsys):
+    from rollplex_train.algo.rewards import RewardFailure
+    from rollplex_train.cli import _run_errors
+
+    with pytest.raises(SystemExit) as end:
+        with _run_errors(_Trainer(7, Path("/runs/x/checkpoints/global_step_5"))):
+            raise KeyboardInterrupt
+    assert end.value.code == 130
+    assert capsys.readouterr().err == ("\nrollplex-train: interrupted at step 7; last checkpoint "
+                                       "/runs/x/checkpoints/global_step_5 (the same command resumes from it)\n")
+    with pytest.raises(SystemExit) as end:
+        with _run_errors(_Trainer(1, None)):
+            raise KeyboardInterrupt
+    assert "interrupted at step 1; no checkpoint was written" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as end:
+        with _run_errors(_Trainer(2, None)):
+            raise RewardFailure("reward.function='f' failed on 8 of 8 samples")
+    assert end.value.code == 1
+    assert capsys.readouterr().err == "rollplex-train: error: reward.function='f' failed on 8 of 8 samples\n"
+
+
+def test_rollout_dump_holds_prompt_text_and_media(tmp_path, make_prompts, train_dataset):
+    from rollplex_train.tracking.rollouts import dump_rollouts
+
+    prompts = make_prompts(("color", "direction"))
+    responses = [Response(prompt_index=i, token_ids=torch.tensor([5, 6]), logprobs=torch.zeros(2), text=f"r{i}",
+                          finish_reason="stop") for i in (0, 0, 1, 1)]
+    batch = to_train_batch(prompts, responses, pad_id=0)
+    path = dump_rollouts(tmp_path / "dumps", 3, batch, responses, torch.tensor([1.0, 0.0, 0.5, 0.0]))
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for line, prompt in zip(lines, [prompts[0], prompts[0], prompts[1], prompts[1]]):
+        file, row = train_dataset.locate(int(prompt.uid.split(":")[1]))
+        source = pq.read_table(file).slice(row, 1).to_pylist()[0]  # what the data file holds
+        assert line["prompt"] == source["problem"] and line["media"] == source["images"] + source["videos"]
+        assert line["uid"] == prompt.uid and line["ground_truth"] == source["answer"]
+    assert [r["task"] for r in lines] == ["color", "color", "direction", "direction"]
+    assert lines[0]["prompt"].startswith("<image>") and lines[2]["prompt"].startswith("<video>")
+    assert lines[0]["media"][0].endswith(".png") and lines[2]["media"][0].endswith(".mp4")
+    assert [r["text"] for r in lines] == ["r0", "r0", "r1", "r1"] and lines[2]["score"] == 0.5
+
+
+def test_docs_speak_of_the_project_only():
+    import re
+
+    pattern = re.compile(r"\b(issues? \d+|sessions? \d+|helper engineer)\b|\.\./shared|DESIGN\.md", re.IGNORECASE)
+    hits = [f"{path.name}:{n}" for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+            for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    assert hits == []
