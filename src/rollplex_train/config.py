@@ -12,10 +12,10 @@ Names follow verl/EasyR1 where a counterpart exists (``rollout.n``, ``actor.ppo_
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+if TYPE_CHECKING:  # Hydra/OmegaConf are imported where used: the in-process GPU benchmark runs without them
+    from omegaconf import DictConfig
 
 from rollplex_train.runtime.hardware import GpuConfig, TimelineConfig
 
@@ -47,6 +47,9 @@ class ModelConfig:
     """Parameter dtype of actor, reference and rollout weights."""
     attn_implementation: str = "sdpa"
     """transformers attention backend: ``sdpa`` or ``eager``."""
+    compute_dtype: str = "float32"
+    """Forward-pass precision: ``float32`` (the weights' dtype) or ``bfloat16`` (fp32 master weights and
+    optimizer states, forwards under ``torch.autocast(bfloat16)``; needs ``dtype=float32``)."""
     freeze_vision_tower: bool = False
     """Keep the vision encoder (and its merger) frozen in the actor update."""
     shared_prefix: bool = False
@@ -58,6 +61,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _check_choice("model", "dtype", self.dtype, DTYPES)
         _check_choice("model", "attn_implementation", self.attn_implementation, ("sdpa", "eager"))
+        _check_choice("model", "compute_dtype", self.compute_dtype, ("float32", "bfloat16"))
+        if self.compute_dtype == "bfloat16" and self.dtype != "float32":
+            raise ValueError(f"model.compute_dtype=bfloat16 autocasts fp32 master weights: it needs "
+                             f"model.dtype=float32 (got {self.dtype!r})")
 
 
 @dataclass(kw_only=True)
@@ -287,17 +294,17 @@ class ClusterConfig:
     """Memory of one GPU in GiB (the residency planner's device budget)."""
     object_store_memory_bytes: int = 200 * 1024**2
     device_share: str = "cores"
-    """How colocated workers share a device: ``cores`` (CPU), ``streams`` or ``mps`` (GPU)."""
+    """How colocated workers share a device: ``cores`` (CPU threads; GPU time-sliced), ``streams`` or
+    ``green`` (GPU, in one process), ``mps`` (GPU, across processes); see ``device_share.py``."""
 
     def __post_init__(self) -> None:
         from rollplex_train.parallel import DEVICES
 
         _check_choice("cluster", "device", self.device, DEVICES)
         _check_choice("cluster", "executor", self.executor, ("ray", "inprocess"))
-        _check_choice("cluster", "device_share", self.device_share, ("cores", "streams", "mps"))
-        if self.device_share != "cores":
-            raise ValueError(f"cluster.device_share={self.device_share!r}: the GPU device shares (CUDA streams / "
-                             "MPS) are not built yet; use 'cores'")
+        from rollplex_train.device_share import check_config
+
+        check_config(self.device_share, self.device, self.executor)
         for key in ("nnodes", "devices_per_node"):
             _check_positive("cluster", key, getattr(self, key))
         for key in ("num_cpus", "threads_per_device"):
@@ -475,6 +482,8 @@ class Config:
 
 def register_configs() -> None:
     """Register the schema with Hydra's ConfigStore under the name ``rollplex_schema``."""
+    from hydra.core.config_store import ConfigStore
+
     cs = ConfigStore.instance()
     cs.store(name="rollplex_schema", node=Config)
 
@@ -489,5 +498,7 @@ def to_config(cfg: DictConfig) -> Config:
         omegaconf.errors.ConfigKeyError: a key the schema does not have (the message names it).
         ValueError: a value fails a section's check (the message names ``section.key``).
     """
+    from omegaconf import OmegaConf
+
     merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg, resolve=False))
     return OmegaConf.to_object(merged)

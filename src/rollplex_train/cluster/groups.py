@@ -123,8 +123,9 @@ class TrainGroup:
 
     # ---- weights ------------------------------------------------------------------------------
     def export_shared_weights(self) -> Pending:
-        """Per rank, the handles of its actor parameters (rank order)."""
-        return self._all("export_shared_weights", combine=list)
+        """Per rank, the handles of its actor parameters (rank order); in one process the tensors
+        themselves (``sharing.embedded.LocalWeights``)."""
+        return self._all("export_shared_weights", self.ex.kind == "inprocess", combine=list)
 
     def publish_weights(self, version: int) -> Pending:
         return self._all("publish_weights", version, combine=list)

@@ -4,7 +4,8 @@ They are thin: each builds its engine through the registry, pins its torch threa
 training ranks' torch.distributed group, resolves object-store references, and forwards calls. No
 algorithm code lives here. The same classes run as Ray actors (``RayExecutor``) or as objects in
 the driver (``InProcessExecutor``). On CPU colocated workers share the device's cores
-(``cluster.threads_per_device``); GPU device shares are not built yet.
+(``cluster.threads_per_device``); on a GPU, with ``cluster.device_share=streams|green``, each
+worker thread issues on a CUDA stream of its own (``device_share.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import PromptSample, Response, TrainBatch
 from rollplex_train.rollout.base import SamplingParams, create_rollout_engine
+from rollplex_train.device import layout_device
+from rollplex_train.device_share import enter_side, half_sms
 from rollplex_train.training.base import create_train_engine
 
 
@@ -77,14 +80,22 @@ class RolloutWorker:
         engine: registered rollout engine name. model: checkpoint section. threads: torch threads.
         max_batch_size: most sequences decoded together.
         authkey: the group's multiprocessing authkey (the TrainWorker's too) when weights are shared.
+        layout: the run's ParallelLayout (None: the model stays on CPU). device_index: the engine's
+            first run device (its GPU is ``cuda:<local index>``, or the actor's only visible one).
+        device_share: ``cluster.device_share`` (decode on a stream of its own with streams/green).
     """
 
     def __init__(self, engine: str, model: ModelConfig, threads: int, max_batch_size: int,
-                 authkey: Optional[bytes] = None):
+                 authkey: Optional[bytes] = None, layout=None, device_index: int = 0, device_share: str = "cores"):
         _setup_process(threads, authkey)
+        placement = {}
+        if engine == "builtin":  # decodes in this process (SGLang places its own scheduler processes)
+            device = layout_device(layout, device_index)
+            placement = dict(device=device, compute_dtype=model.compute_dtype, device_share=device_share,
+                             decode_sms=half_sms(device, device_share, "decode"))
         self.engine = create_rollout_engine(
             engine, model_path=model.path, dtype=model.dtype,
-            attn_implementation=model.attn_implementation, max_batch_size=max_batch_size,
+            attn_implementation=model.attn_implementation, max_batch_size=max_batch_size, **placement,
         )
         self.engine.set_compute_share(threads)  # calls may run on other threads than __init__
 
@@ -100,7 +111,7 @@ class RolloutWorker:
         copied = sum(t.numel() * t.element_size() for t in named_tensors.values())
         return {"sharing/copied_bytes": float(copied)}
 
-    def map_shared_weights(self, payload: bytes) -> int:
+    def map_shared_weights(self, payload) -> int:
         return self.engine.map_shared_weights(payload)
 
     def sync_shared_weights(self, version: int, published: dict[str, float]) -> dict[str, float]:
@@ -145,16 +156,22 @@ class TrainWorker:
         authkey: the group's multiprocessing authkey (the RolloutWorker's too) when weights are shared.
         layout: the run's ParallelLayout. rank: this worker's training rank.
         dist_address: (host, port) of the torch.distributed rendezvous (None: one rank).
+        device_share: ``cluster.device_share``; with streams/green on a GPU this worker's thread (the
+            prefix and training work) issues on a CUDA stream of its own.
     """
 
     def __init__(self, backend: str, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig,
                  seed: int, threads: int, authkey: Optional[bytes] = None, layout=None, rank: int = 0,
-                 dist_address: Optional[tuple[str, int]] = None):
+                 dist_address: Optional[tuple[str, int]] = None, device_share: str = "cores"):
         _setup_process(threads, authkey)
         if layout is not None:
             init_distributed(rank, layout.world_size, dist_address, layout.device)
         self.engine = create_train_engine(backend, model=model, actor=actor, algorithm=algorithm, seed=seed,
                                           layout=layout, rank=rank)
+        device = getattr(self.engine, "device", None)
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the load is done before another stream reads it
+            self.side = enter_side(device_share, device, half_sms(device, device_share, "prefix"))
 
     def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
                           with_entropy: bool = False):
@@ -166,8 +183,8 @@ class TrainWorker:
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()
 
-    def export_shared_weights(self) -> dict:
-        return self.engine.export_shared_weights()
+    def export_shared_weights(self, same_process: bool = False) -> dict:
+        return self.engine.export_shared_weights(same_process)
 
     def publish_weights(self, version: int) -> dict[str, float]:
         return self.engine.publish_weights(version)

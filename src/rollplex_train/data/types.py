@@ -42,6 +42,13 @@ class VisionInputs:
     def num_videos(self) -> int:
         return 0 if self.video_grid_thw is None else int(self.video_grid_thw.shape[0])
 
+    def to(self, device) -> "VisionInputs":
+        """The same inputs on ``device`` (``self`` when they are there already)."""
+        names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+        if all(getattr(self, n) is None or getattr(self, n).device == torch.device(device) for n in names):
+            return self
+        return VisionInputs(**{n: None if getattr(self, n) is None else getattr(self, n).to(device) for n in names})
+
     @staticmethod
     def concat(items: list["VisionInputs"]) -> "VisionInputs":
         """Concatenate the vision inputs of several prompts in order (for one batched forward)."""

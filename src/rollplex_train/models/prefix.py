@@ -25,6 +25,7 @@ from typing import Optional, Union
 import torch
 
 from rollplex_train.data.types import PromptSample, VisionInputs
+from rollplex_train.device import model_device
 from rollplex_train.models.sequence import (
     embed_with_vision,
     logprobs_from_hidden,
@@ -119,7 +120,9 @@ def encode_prefix(
 
     ids, mask = pad_prompts(prompts, model.config.get_text_config().pad_token_id or 0, side=padding)
     width = ids.shape[1]
-    vision = VisionInputs.concat([p.vision for p in prompts])
+    dev = model_device(model)
+    ids, mask = ids.to(dev), mask.to(dev)
+    vision = VisionInputs.concat([p.vision for p in prompts]).to(dev)
     counter = _SavedBytes(model)
     with torch.set_grad_enabled(with_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         position_ids, deltas = rope_positions(model, ids, mask, vision)
@@ -173,26 +176,28 @@ def score_suffix(
     """
     from transformers import DynamicCache
 
+    dev = model_device(model)  # the responses are built on CPU (data/types.py)
+    group_index, response_ids, response_mask = group_index.to(dev), response_ids.to(dev), response_mask.to(dev)
     n, r = response_ids.shape
     rows = [states[g] for g in group_index.tolist()]
     h0 = torch.stack([s.last_hidden for s in rows]).unsqueeze(1)  # (N, 1, H)
     if r == 1:
         return logprobs_from_hidden(model, h0, response_ids, response_mask, temperature, with_entropy)
     width = max(s.prompt_length for s in states)
-    pad_len = torch.tensor([width - s.prompt_length for s in states])
+    pad_len = torch.tensor([width - s.prompt_length for s in states], device=dev)
 
     def stacked(per_state: list[torch.Tensor]) -> torch.Tensor:
-        padded = [torch.nn.functional.pad(t, (0, 0, int(p), 0)) for t, p in zip(per_state, pad_len)]
+        padded = [torch.nn.functional.pad(t, (0, 0, width - s.prompt_length, 0)) for t, s in zip(per_state, states)]
         return torch.cat(padded, dim=0).index_select(0, group_index)  # (N, K, width, D)
 
     num_layers = len(states[0].keys)
     layers = [(stacked([s.keys[l] for s in states]), stacked([s.values[l] for s in states]))
               for l in range(num_layers)]
-    prefix_mask = (torch.arange(width).view(1, -1) >= pad_len.index_select(0, group_index).view(-1, 1)).long()
+    prefix_mask = (torch.arange(width, device=dev).view(1, -1) >= pad_len.index_select(0, group_index).view(-1, 1)).long()
     suffix_mask = response_mask[:, : r - 1].long()
     attention_mask = torch.cat([prefix_mask, suffix_mask], dim=1)
-    start = torch.tensor([s.next_position for s in rows]).view(-1, 1)
-    position_ids = (start + torch.arange(r - 1).view(1, -1)).unsqueeze(0).expand(3, -1, -1)
+    start = torch.tensor([s.next_position for s in rows], device=dev).view(-1, 1)
+    position_ids = (start + torch.arange(r - 1, device=dev).view(1, -1)).unsqueeze(0).expand(3, -1, -1)
     out = model.model.language_model(
         input_ids=response_ids[:, : r - 1],
         attention_mask=attention_mask,

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from rollplex_train.data.types import PromptSample, VisionInputs
+from rollplex_train.device import model_device
 from rollplex_train.models.rope import RopeSpec, mrope_positions
 from rollplex_train.models.logprobs import chosen_token_logprobs
 
@@ -68,7 +69,7 @@ def rope_positions(
     num_real = attention_mask.long().sum(-1, keepdim=True)
     if vision.image_grid_thw is None and vision.video_grid_thw is None:
         pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0) * attention_mask.long()
-        return pos.unsqueeze(0).expand(3, -1, -1).contiguous(), torch.zeros(input_ids.shape[0], 1, dtype=torch.long)
+        return pos.unsqueeze(0).expand(3, -1, -1).contiguous(), torch.zeros(input_ids.shape[0], 1, dtype=torch.long, device=input_ids.device)
     position_ids, next_positions = mrope_positions(
         RopeSpec.from_config(model.config), mm_token_type_ids(model, input_ids, vision_mask), attention_mask,
         vision.image_grid_thw, vision.video_grid_thw, vision.second_per_grid_ts)
@@ -209,7 +210,10 @@ def response_logprobs(
     Returns:
         logprobs (N, R) float32 and, if requested, entropy (N, R) float32; both zero outside the mask.
     """
-    prompt_mask = torch.arange(input_ids.shape[1]).view(1, -1) < prompt_lengths.view(-1, 1)
+    dev = model_device(model)  # the inputs are built on CPU (data/types.py); the model may sit on a GPU
+    input_ids, attention_mask, vision = input_ids.to(dev), attention_mask.to(dev), vision.to(dev)
+    prompt_lengths, response_ids, response_mask = prompt_lengths.to(dev), response_ids.to(dev), response_mask.to(dev)
+    prompt_mask = torch.arange(input_ids.shape[1], device=dev).view(1, -1) < prompt_lengths.view(-1, 1)
     position_ids, _ = rope_positions(model, input_ids, attention_mask, vision, prompt_mask)
     embeds = embed_with_vision(model, input_ids, vision, vision_grad=True, vision_mask=prompt_mask)
     out = model.model.language_model(
@@ -220,7 +224,7 @@ def response_logprobs(
     )
     hidden = out.last_hidden_state  # (N, L, H)
     n, r = response_ids.shape
-    idx = (prompt_lengths.view(-1, 1) - 1 + torch.arange(r).view(1, -1)).clamp(max=hidden.shape[1] - 1)
+    idx = (prompt_lengths.view(-1, 1) - 1 + torch.arange(r, device=dev).view(1, -1)).clamp(max=hidden.shape[1] - 1)
     h_sel = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))  # (N, R, H)
     return logprobs_from_hidden(model, h_sel, response_ids, response_mask, temperature, with_entropy)
 

@@ -127,6 +127,9 @@ class TinySize:
 SIZES = {
     "tiny": TinySize(128, 4, 4, 2, 256, (4, 6, 6), 128, 2, 4, 256),
     "small": TinySize(384, 8, 6, 2, 1024, (8, 12, 12), 384, 6, 6, 1024),
+    # Qwen2.5-VL-3B-Instruct's widths (its config.json); with this project's ~1k-token vocabulary
+    # about 3.4B parameters. Random weights only: the GPU benchmark (scripts/bench_gpu.py).
+    "3b": TinySize(2048, 36, 16, 2, 11008, (16, 24, 24), 1280, 32, 16, 3420),
 }
 
 

@@ -25,6 +25,7 @@ import torch
 from rollplex_train.data.types import PromptSample, Response, VisionInputs
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.sequence import pad_prompts, rope_positions, vision_kwargs
+from rollplex_train.device import compute_context, model_device
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,7 @@ def draw(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
     Returns:
         (B,) int64 token ids.
     """
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(probs.dtype)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(probs.device, probs.dtype)
     cdf = probs.cumsum(-1)
     u = u * cdf[:, -1]  # inside [0, total) whatever the rounding of the sum
     return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
@@ -83,11 +84,25 @@ class BuiltinRolloutEngine(RolloutEngine):
         model_path: local HF checkpoint directory.
         dtype: parameter dtype name. attn_implementation: ``sdpa`` or ``eager``.
         max_batch_size: most sequences decoded together (requests are split into chunks of prompts).
+        device: where the model runs (a torch device; None: where ``load_model`` puts it).
+        compute_dtype: forward precision, ``float32`` or ``bfloat16`` (autocast; ``device.py``).
+        device_share: ``cluster.device_share``; with ``streams``/``green`` on a GPU the decode work
+            runs on a CUDA stream of its own (``device_share.py``), entered on the first decode.
+        decode_sms: SMs of the decode side's green context (``green`` only).
+
+    Sampling generators stay on CPU on every device, so a sequence's draws do not depend on it.
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", attn_implementation: str = "sdpa",
-                 max_batch_size: int = 256):
+                 max_batch_size: int = 256, device=None, compute_dtype: str = "float32",
+                 device_share: str = "cores", decode_sms: Optional[int] = None):
         self.model = load_model(model_path, dtype, attn_implementation)
+        if device is not None:
+            self.model.to(device)
+        self.device = model_device(self.model)
+        self.compute_dtype = compute_dtype
+        self.device_share, self.decode_sms = device_share, decode_sms
+        self._side = None  # device_share.SideStream of the decode thread, once entered
         self.model.requires_grad_(False)
         self.tokenizer = load_tokenizer(model_path)
         self.eos_ids = self._eos_ids()
@@ -98,7 +113,7 @@ class BuiltinRolloutEngine(RolloutEngine):
         # slots when the response is scored), so they are never sampled.
         self.suppressed_ids = torch.tensor(sorted({
             cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id,
-        }), dtype=torch.long)
+        }), dtype=torch.long, device=self.device)
         self.weights_version = 0
         self._released = False
         self._shared = None  # sharing.ipc.SharedWeights once map_shared_weights ran
@@ -155,13 +170,15 @@ class BuiltinRolloutEngine(RolloutEngine):
         self.model.load_state_dict(named_tensors, strict=False)
         self.weights_version = version
 
-    def map_shared_weights(self, payload: bytes) -> int:
-        from rollplex_train.sharing.embedded import map_parameters
+    def map_shared_weights(self, payload) -> int:
+        """Point the model at the trainer's tensors: ``payload`` is an IPC handle payload (bytes) from
+        another process or a ``LocalWeights`` in this one (its tensors taken as they are)."""
+        from rollplex_train.sharing.embedded import LocalWeights, map_parameters
         from rollplex_train.sharing.ipc import import_handles
 
         if self._shared is not None:
             raise RuntimeError("shared weights are already mapped")
-        shared = import_handles(payload)
+        shared = payload if isinstance(payload, LocalWeights) else import_handles(payload)
         nbytes = map_parameters(self.model, shared.tensors)  # this engine's loaded copy is freed
         self._shared = shared
         self.weights_version = shared.version.read()
@@ -215,14 +232,20 @@ class BuiltinRolloutEngine(RolloutEngine):
         responses of those groups (all n of each), and when decoding ends, those of all the rest."""
         from transformers import DynamicCache
 
-        model, n = self.model, params.n
+        model, n, dev = self.model, params.n, self.device
+        if self._side is None and self.device_share in ("streams", "green"):
+            from rollplex_train.device_share import enter_side
+
+            self._side = enter_side(self.device_share, dev, self.decode_sms)
         tick = self._account(time.perf_counter(), 0)  # applies a pending share change
         ids, mask = pad_prompts(prompts, self.pad_id, side="left")
-        vision = VisionInputs.concat([p.vision for p in prompts])
+        ids, mask = ids.to(dev), mask.to(dev)
+        vision = VisionInputs.concat([p.vision for p in prompts]).to(dev)
         position_ids, deltas = rope_positions(model, ids, mask, vision)
         cache = DynamicCache(config=model.config)
-        out = model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache,
-                          use_cache=True, **vision_kwargs(vision))
+        with compute_context(dev, self.compute_dtype):
+            out = model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache,
+                              use_cache=True, **vision_kwargs(vision))
         last_hidden = out.last_hidden_state[:, -1]  # (P, H): left padding puts every prompt's end last
         cache.batch_repeat_interleave(n)
         last_hidden = last_hidden.repeat_interleave(n, dim=0)
@@ -247,7 +270,8 @@ class BuiltinRolloutEngine(RolloutEngine):
 
         tick = self._account(tick, 1)  # the prefill is charged as the first step
         for step in range(params.max_new_tokens):
-            logits = model.lm_head(last_hidden).float()
+            with compute_context(dev, self.compute_dtype):
+                logits = model.lm_head(last_hidden).float()
             allowed = logits.index_fill(-1, self.suppressed_ids, float("-inf"))
             if params.temperature > 0:
                 scaled = logits / params.temperature
@@ -259,10 +283,11 @@ class BuiltinRolloutEngine(RolloutEngine):
                 next_tok = allowed.argmax(-1)
             next_logp = logp_all.gather(-1, next_tok.unsqueeze(-1)).squeeze(-1)
             keep = []
+            step_toks, step_logps = next_tok.tolist(), next_logp.tolist()  # one device sync per step
             for row, seq in enumerate(alive.tolist()):
-                tok = int(next_tok[row])
+                tok = step_toks[row]
                 tokens[seq].append(tok)
-                logps[seq].append(float(next_logp[row]))
+                logps[seq].append(step_logps[row])
                 done = False
                 if not params.ignore_eos and tok in self.eos_ids:
                     done = True
@@ -281,13 +306,16 @@ class BuiltinRolloutEngine(RolloutEngine):
                 yield [r for index in finished for r in group(index)]
             if len(keep) < len(alive):
                 sel = torch.tensor(keep, dtype=torch.long)
+                alive = alive[sel]
+                sel = sel.to(dev)
                 cache.batch_select_indices(sel)
-                alive, next_tok, mask = alive[sel], next_tok[sel], mask[sel]
+                next_tok, mask = next_tok[sel], mask[sel]
                 num_real, deltas = num_real[sel], deltas[sel]
-            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=torch.long)], dim=1)
+            mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=torch.long, device=dev)], dim=1)
             pos = (num_real.view(-1, 1) + deltas).view(1, -1, 1).expand(3, -1, -1)
-            out = model.model(input_ids=next_tok.view(-1, 1), attention_mask=mask, position_ids=pos,
-                              cache=cache, use_cache=True)
+            with compute_context(dev, self.compute_dtype):
+                out = model.model(input_ids=next_tok.view(-1, 1), attention_mask=mask, position_ids=pos,
+                                  cache=cache, use_cache=True)
             last_hidden = out.last_hidden_state[:, -1]
             num_real = num_real + 1
             tick = self._account(tick, 1)

@@ -38,6 +38,8 @@ class SharedActor:
     Args:
         model: the actor (a transformers VLM; parameters contiguous, on CPU or CUDA).
         version: the weights version the actor holds now (published at once).
+        same_process: the rollout engine lives in this process (``cluster.executor=inprocess``):
+            nothing is moved to shared memory and ``export`` hands over the tensors themselves.
 
     Attributes:
         view_bytes, rebuild_bytes, rollout_bytes: of the plan (rollout tensors shared as views,
@@ -47,7 +49,7 @@ class SharedActor:
         ValueError: the plan's tensors do not match the model's parameters.
     """
 
-    def __init__(self, model: torch.nn.Module, version: int):
+    def __init__(self, model: torch.nn.Module, version: int, same_process: bool = False):
         named = dict(model.named_parameters())  # tied weights once
         shapes = {n: tuple(p.shape) for n, p in named.items()}
         itemsize = next(iter(named.values())).element_size()
@@ -58,7 +60,9 @@ class SharedActor:
         if wrong or set(plans) != set(shapes):
             raise ValueError(f"sharing plan does not match the actor's parameters: {wrong or sorted(set(plans) ^ set(shapes))}")
         local = {n: p.detach() for n, p in named.items()}
-        for t in local.values():
+        self.same_process = same_process
+        self.device = next(iter(local.values())).device
+        for t in ([] if same_process else local.values()):
             if t.device.type == "cpu" and not t.untyped_storage().is_shared():
                 t.share_memory_()  # in place: the Parameter (and the optimizer's reference) keeps it
         self.materializer = Materializer(plans, local, shared=True)
@@ -72,9 +76,11 @@ class SharedActor:
                  self.view_bytes / 1e6, self.rebuild_bytes / 1e6)
 
     def export(self) -> dict:
-        """A payload of handles for one rollout process (load it once, while this process lives)
-        and the plan's byte counts: ``payload``, ``view_bytes``, ``rebuild_bytes``, ``rollout_bytes``."""
-        return {"payload": export_handles(self.materializer.tensors, self.version), "view_bytes": self.view_bytes,
+        """A payload of handles for one rollout process (load it once, while this process lives), or
+        in one process a :class:`LocalWeights` holding the tensors themselves, and the plan's byte counts: ``payload``, ``view_bytes``, ``rebuild_bytes``, ``rollout_bytes``."""
+        payload = (LocalWeights(self.materializer.tensors, self.version) if self.same_process
+                   else export_handles(self.materializer.tensors, self.version))
+        return {"payload": payload, "view_bytes": self.view_bytes,
                 "rebuild_bytes": self.rebuild_bytes, "rollout_bytes": self.rollout_bytes}
 
     def begin_update(self) -> None:
@@ -91,8 +97,34 @@ class SharedActor:
             StaleWeightsError: ``version`` is not newer than the last published one.
         """
         self.materializer.sync()
+        if self.device.type == "cuda":  # the optimizer's kernels are done before the rollout may read
+            torch.cuda.current_stream(self.device).synchronize()
         self.version.publish(version)
         return {"sharing/rebuild_bytes": float(self.rebuild_bytes)}
+
+
+class LocalWeights:
+    """The in-process counterpart of ``sharing.ipc.SharedWeights``: the trainer's rollout tensors and
+    its version counter by reference (a CUDA IPC handle cannot be opened in the process that made
+    it, and a CPU one would only add shared-memory segments). Same interface: ``tensors``,
+    ``version``, ``check``, ``close``.
+
+    Args:
+        tensors: {HF parameter name: tensor} (the actor's parameters; views, no copy).
+        version: the trainer's ``WeightsVersion`` (one object for both sides).
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], version: WeightsVersion):
+        self.tensors = dict(tensors)
+        self.version = version
+
+    def check(self, expected: int) -> None:
+        """Raises ``StaleWeightsError`` unless the trainer published ``expected`` and is not writing."""
+        self.version.check(expected)
+
+    def close(self) -> None:
+        self.tensors.clear()
+        self.version = None  # type: ignore[assignment]
 
 
 def map_parameters(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> int:

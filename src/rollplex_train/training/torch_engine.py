@@ -22,6 +22,7 @@ import torch
 from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
+from rollplex_train.device import compute_context, layout_device
 from rollplex_train.models.loading import dropout_rates, load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
 from rollplex_train.training.base import PrefixPasses
@@ -70,7 +71,8 @@ def build_optimizer(params: list[torch.nn.Parameter], actor: ActorConfig):
 
 @register_train_engine("torch")
 class TorchTrainEngine(TrainEngine):
-    """Actor and reference as transformers models on one device (CPU here).
+    """Actor and reference as transformers models on one device (``cpu``, or ``cuda:<local index>`` of the
+    rank's device; ``device.py``), computing in ``model.compute_dtype``.
 
     Args:
         model: model section (checkpoint path, dtype, frozen vision tower).
@@ -88,7 +90,8 @@ class TorchTrainEngine(TrainEngine):
         torch.manual_seed(seed)
         self.rank = rank
         self.model_cfg, self.cfg, self.algo = model, actor, algorithm
-        self.actor = load_model(model.path, model.dtype, model.attn_implementation)
+        self.device = layout_device(layout, rank)
+        self.actor = load_model(model.path, model.dtype, model.attn_implementation).to(self.device)
         self.tokenizer = load_tokenizer(model.path)
         self.pad_id = self.tokenizer.pad_token_id
         self.ref = None
@@ -112,7 +115,9 @@ class TorchTrainEngine(TrainEngine):
         """Log-probs of the responses at ``rows``: full sequences, or shared prefix + suffixes."""
         part = _rows(batch, rows)
         if not self.model_cfg.shared_prefix:
-            return part, self._score_full(model, batch.prompts, part, temperature, with_entropy)
+            with self._compute():
+                out = self._score_full(model, batch.prompts, part, temperature, with_entropy)
+            return self._on_device(part), out
         groups = set(part["group_index"].tolist())
         assert len(groups) == 1, "with a shared prefix a micro-batch is one group (_micro_batches)"
         prompt = batch.prompts[groups.pop()]
@@ -122,13 +127,22 @@ class TorchTrainEngine(TrainEngine):
         state = self.prefixes.take(prompt.uid, store_role, version)
         # the group's own width, not the batch's: the numbers do not depend on which groups share a call
         width = max(1, int(part["response_mask"].sum(-1).max()))
-        logp, ent = self.prefix_passes.score(model, [state], torch.zeros(len(rows), dtype=torch.long),
-                                             part["response_ids"][:, :width], part["response_mask"][:, :width],
-                                             temperature=temperature, with_entropy=with_entropy)
+        with self._compute():
+            logp, ent = self.prefix_passes.score(model, [state], torch.zeros(len(rows), dtype=torch.long),
+                                                 part["response_ids"][:, :width], part["response_mask"][:, :width],
+                                                 temperature=temperature, with_entropy=with_entropy)
         self.prefixes.release(prompt.uid, store_role, version)  # the suffix pass was its last consumer
         pad = part["response_ids"].shape[1] - width
-        return part, (torch.nn.functional.pad(logp, (0, pad)),
-                      None if ent is None else torch.nn.functional.pad(ent, (0, pad)))
+        return self._on_device(part), (torch.nn.functional.pad(logp, (0, pad)),
+                                       None if ent is None else torch.nn.functional.pad(ent, (0, pad)))
+
+    def _compute(self):
+        """The forward-pass precision context (``model.compute_dtype``; ``device.py``)."""
+        return compute_context(self.device, self.model_cfg.compute_dtype)
+
+    def _on_device(self, part: dict) -> dict:
+        """The per-response tensors of ``part`` on the actor's device (the loss inputs)."""
+        return {k: None if v is None else v.to(self.device) for k, v in part.items()}
 
     def _score_full(self, model, prompts, part: dict, temperature: float, with_entropy: bool):
         """(N, R) log-probs (and entropy) of ``part``'s responses from full-sequence forwards (the
@@ -158,7 +172,7 @@ class TorchTrainEngine(TrainEngine):
         batch shape, autograd graph) are the same whichever prompts a call brings along."""
         model = self.ref if store_role == "ref" else self.actor
         version = self._prefix_version(store_role)
-        with torch.set_grad_enabled(store_role == "actor"):
+        with torch.set_grad_enabled(store_role == "actor"), self._compute():
             for prompt in prompts:
                 state, = self.prefix_passes.encode(model, [prompt], version=version, with_grad=store_role == "actor",
                                                    freeze_vision=self.model_cfg.freeze_vision_tower)
@@ -228,9 +242,9 @@ class TorchTrainEngine(TrainEngine):
         ents = torch.zeros_like(logps) if with_entropy else None
         for rows in self._micro_batches(batch, torch.arange(batch.num_responses)):
             _, (lp, ent) = self._forward(model, role, batch, rows, temperature, with_entropy)
-            logps[rows] = lp
+            logps[rows] = lp.to(logps.device)  # results go back where the batch lives (the driver's CPU)
             if with_entropy:
-                ents[rows] = ent
+                ents[rows] = ent.to(ents.device)
         return logps, ents
 
     # ---- update -----------------------------------------------------------------------------------
@@ -351,6 +365,8 @@ class TorchTrainEngine(TrainEngine):
 
     # ---- weights and checkpoints ------------------------------------------------------------------
     def rollout_weights(self) -> dict[str, torch.Tensor]:
+        if self.device.type == "cuda":  # the optimizer's kernels are done before another stream copies
+            torch.cuda.current_stream(self.device).synchronize()
         return {k: v.detach() for k, v in self.actor.state_dict().items()}
 
     def offload_states(self, parts: tuple[str, ...]) -> int:
@@ -370,14 +386,15 @@ class TorchTrainEngine(TrainEngine):
         pending.wait()
         return pending.nbytes
 
-    def export_shared_weights(self) -> dict:
+    def export_shared_weights(self, same_process: bool = False) -> dict:
         """Put the actor's parameters in shared memory (once, in place) and export handles to them
         for one rollout process (``sharing/embedded.py``); from then on ``update_actor`` and
-        ``load_checkpoint`` mark the weights in flux until ``publish_weights``."""
+        ``load_checkpoint`` mark the weights in flux until ``publish_weights``. ``same_process``: the
+        rollout engine is in this process; the payload is the tensors themselves (``LocalWeights``)."""
         from rollplex_train.sharing.embedded import SharedActor
 
         if self._shared is None:
-            self._shared = SharedActor(self.actor, self.weights_version)
+            self._shared = SharedActor(self.actor, self.weights_version, same_process=same_process)
         return self._shared.export()
 
     def publish_weights(self, version: int) -> dict[str, float]:
