@@ -20,43 +20,66 @@ import argparse
 import fnmatch
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 TMP_PATTERNS = ("rp-ray-*", "ray*", "pymp-*", "torch_*")
 
 
-def _worker_name(proc: psutil.Process) -> str | None:
-    """``driver``, ``TrainWorker``/``RolloutWorker`` (+pid) for the processes the soak watches."""
+def _cmdline(pid: int) -> str:
     try:
-        cmd = " ".join(proc.cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _rss_bytes(pid: int) -> int | None:
+    """Resident set size from ``/proc/<pid>/status`` (``VmRSS``, kB), None if the process is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
         return None
-    for cls in ("TrainWorker", "RolloutWorker"):
-        if f"ray::{cls}" in cmd:
-            return f"{cls}[{proc.pid}]"
     return None
 
 
-def _watched(driver: psutil.Process) -> dict[str, int]:
-    """RSS in bytes of the driver and of every worker process on this machine."""
-    out = {}
+def _parent(pid: int) -> int:
     try:
-        out["driver"] = driver.memory_info().rss
-    except psutil.NoSuchProcess:
-        return out
-    for proc in psutil.process_iter():
-        name = _worker_name(proc)
-        if name is not None:
-            try:
-                out[name] = proc.memory_info().rss
-            except psutil.NoSuchProcess:
-                pass
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        pid = _parent(pid)
+    return False
+
+
+def _watched(driver_pid: int) -> dict[str, int]:
+    """RSS in bytes of the driver and of its worker processes (Ray titles them ``ray::<class>``;
+    the local cluster's processes descend from the driver, so other runs' workers are left out)."""
+    out = {}
+    rss = _rss_bytes(driver_pid)
+    if rss is not None:
+        out["driver"] = rss
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        cmd = _cmdline(int(entry.name))
+        for cls in ("TrainWorker", "RolloutWorker"):
+            if cmd.startswith(f"ray::{cls}") and _descends_from(int(entry.name), driver_pid):
+                rss = _rss_bytes(int(entry.name))
+                if rss is not None:
+                    out[f"{cls}[{entry.name}]"] = rss
     return out
 
 
@@ -88,16 +111,16 @@ def main(argv: list[str] | None = None) -> int:
            "trainer.val_before_train=false", "trainer.save_freq=50", "trainer.resume=disable",
            "trainer.progress_bar=false", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}",
            f"hydra.run.dir={out}"]
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run: no earlier metrics.jsonl to misread as progress
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     with open(out.parent / "soak.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, WANDB_MODE="offline"))
-        driver = psutil.Process(proc.pid)
         baseline: dict[str, int] = {}
         last: dict[str, int] = {}
         while proc.poll() is None:
-            rss = _watched(driver)
+            rss = _watched(proc.pid)
             step = _steps_done(out / "metrics.jsonl")
             if step >= args.warmup_steps:
                 for name, value in rss.items():

@@ -117,6 +117,7 @@ class MegatronTrainEngine(TorchTrainEngine):
             module=built.model,
         )
         self.actor = built.model
+        self.device = next(self.actor.parameters()).device  # where the loss inputs go (TorchTrainEngine)
         self.params = [p for p in self.actor.parameters() if p.requires_grad]
         self.optimizer, self.scheduler = build_optimizer(self.params, actor)
         dp_group = ps.get_data_parallel_group() if self.layout.train_dp > 1 else None
