@@ -179,12 +179,12 @@ class RolloutGroup:
 
     def generate(self, step: StepPrompts, params, version: Optional[int]) -> Pending:
         """All responses, grouped by prompt in global order (``prompt_index`` global)."""
-        calls = [(e, idx) for e, _, idx in self.split(step)]
+        calls = self.split(step)
         futures = [self.ex.call(self.handles[e], "generate", step.refs[dp], params, version, step.local(dp, idx))
-                   for e, dp, idx in self.split(step)]
+                   for e, dp, idx in calls]
 
         def combine(outs: list[list[Response]]) -> list[Response]:
-            merged = [_globalised(r, idx) for (_, idx), rs in zip(calls, outs) for r in rs]
+            merged = [_globalised(r, idx) for (_, _, idx), rs in zip(calls, outs) for r in rs]
             return sorted(merged, key=lambda r: r.prompt_index)  # stable: a group keeps its order
 
         return Pending(futures, combine)

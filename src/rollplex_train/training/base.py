@@ -45,6 +45,24 @@ class PrefixPasses(Protocol):
               with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
 
 
+class PrefixFunctions:
+    """A :class:`PrefixPasses` made of a backend's two module functions ``encode_prefix(model,
+    prompts, *, version, with_grad, freeze_vision)`` and ``score_suffix(model, states, group_index,
+    response_ids, response_mask, *, temperature, with_entropy)`` (the torch backend's
+    ``models.prefix``, the Megatron backend's ``training.megatron.scoring``)."""
+
+    def __init__(self, encode_prefix: Callable, score_suffix: Callable):
+        self._encode, self._score = encode_prefix, score_suffix
+
+    def encode(self, model, prompts, *, version, with_grad: bool, freeze_vision: bool):
+        return self._encode(model, prompts, version=version, with_grad=with_grad, freeze_vision=freeze_vision)
+
+    def score(self, model, states, group_index, response_ids, response_mask, *, temperature: float,
+              with_entropy: bool):
+        return self._score(model, states, group_index, response_ids, response_mask, temperature=temperature,
+                           with_entropy=with_entropy)
+
+
 class TrainEngine(abc.ABC):
     """Holds the actor (trainable), the reference (frozen) and the optimizer.
 

@@ -25,24 +25,12 @@ from rollplex_train.data.types import TrainBatch
 from rollplex_train.device import compute_context, layout_device
 from rollplex_train.models.loading import dropout_rates, load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
-from rollplex_train.training.base import PrefixPasses
+from rollplex_train.training.base import PrefixFunctions, PrefixPasses
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
 from rollplex_train.training.base import TrainEngine, register_train_engine
 from rollplex_train.training.prefix_store import PrefixStore, StalePrefixError
 
 log = logging.getLogger(__name__)
-
-
-class HFPrefixPasses:
-    """The torch backend's :class:`PrefixPasses`: ``models.prefix`` over a transformers KV cache."""
-
-    def encode(self, model, prompts, *, version, with_grad: bool, freeze_vision: bool):
-        return encode_prefix(model, prompts, version=version, with_grad=with_grad, freeze_vision=freeze_vision)
-
-    def score(self, model, states, group_index, response_ids, response_mask, *, temperature: float,
-              with_entropy: bool):
-        return score_suffix(model, states, group_index, response_ids, response_mask, temperature=temperature,
-                            with_entropy=with_entropy)
 
 
 def _rows(batch: TrainBatch, rows: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
@@ -105,7 +93,7 @@ class TorchTrainEngine(TrainEngine):
         self.weights_version = 0
         self.param_version = 0  # optimizer steps taken by this process (keys actor prefix states)
         self.prefixes = PrefixStore(owner="train-worker")
-        self.prefix_passes: PrefixPasses = HFPrefixPasses()
+        self.prefix_passes: PrefixPasses = PrefixFunctions(encode_prefix, score_suffix)  # models.prefix
         self._shared = None  # sharing.embedded.SharedActor once export_shared_weights() ran
         self._offloader = None  # memory.offload.ModuleOffloader on first offload_states()
 

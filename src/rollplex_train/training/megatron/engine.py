@@ -34,7 +34,7 @@ from rollplex_train.data.types import TrainBatch
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.megatron_convert import gpt_key, is_language_model, layout_tensors, megatron_to_hf
 from rollplex_train.parallel import ParallelLayout
-from rollplex_train.training.base import register_train_engine
+from rollplex_train.training.base import PrefixFunctions, register_train_engine
 from rollplex_train.training.parallelize import DataParallel
 from rollplex_train.training.megatron import scoring
 from rollplex_train.training.megatron.build import build_model, init_parallel
@@ -122,7 +122,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         self.optimizer, self.scheduler = build_optimizer(self.params, actor)
         dp_group = ps.get_data_parallel_group() if self.layout.train_dp > 1 else None
         self.dp = MegatronDataParallel(self.ddp, self.params, dp_group)
-        self.prefix_passes = scoring.MegatronPrefixPasses()
+        self.prefix_passes = PrefixFunctions(scoring.encode_prefix, scoring.score_suffix)
         self.weights_version = 0
         self.param_version = 0
         self.prefixes = PrefixStore(owner=f"megatron-rank{rank}")

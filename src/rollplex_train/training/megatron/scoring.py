@@ -186,15 +186,3 @@ def score_suffix(model: MegatronVLM, states: list[PrefixState], group_index: tor
     hidden = torch.cat([h0, out.transpose(0, 1)], dim=1)  # (N, R, H)
     return _head(model, hidden, response_ids, response_mask, temperature, with_entropy)
 
-
-class MegatronPrefixPasses:
-    """The Megatron backend's ``training.base.PrefixPasses``: :func:`encode_prefix` /
-    :func:`score_suffix` (the KV of mcore's attention, recorded and extended)."""
-
-    def encode(self, model, prompts, *, version, with_grad: bool, freeze_vision: bool):
-        return encode_prefix(model, prompts, version=version, with_grad=with_grad, freeze_vision=freeze_vision)
-
-    def score(self, model, states, group_index, response_ids, response_mask, *, temperature: float,
-              with_entropy: bool):
-        return score_suffix(model, states, group_index, response_ids, response_mask, temperature=temperature,
-                            with_entropy=with_entropy)
