@@ -55,6 +55,7 @@ def runs(embedded_assets, run_cli, tmp_path_factory):
 
 
 @pytest.mark.parametrize("agg, schedule", [("token-mean", "serial"), ("token-mean", "rollplex"),
+                                           ("seq-mean-token-mean", "serial"),
                                            ("seq-mean-token-mean", "rollplex")])
 def test_dp2_trains_like_dp1(runs, agg, schedule):
     one, two = runs(agg, "serial", 1), runs(agg, schedule, 2)
