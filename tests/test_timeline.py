@@ -188,8 +188,9 @@ def test_rollplex_is_never_predicted_slower_than_serial(w, mbu, mfu, sat):
 
 
 # ---- calibration from a measured run ------------------------------------------------------------
-def fake_run(root: Path, step=3) -> Path:
-    """A rollplex run directory: a checkpoint's trainer_state.json with a cost model, and metrics."""
+def fake_run(root: Path, step=3, old_pass=True) -> Path:
+    """A rollplex run directory: a checkpoint's trainer_state.json with a cost model, and metrics;
+    ``old_pass=False``: the run took its old-policy log-probs from the actor's forward (no old pass)."""
     import json
 
     from rollplex_train.runtime.cost_model import CostModel
@@ -197,14 +198,15 @@ def fake_run(root: Path, step=3) -> Path:
     cost = CostModel(switch_s=0.003)
     for kind, rates in {"decode": {1: 0.06, 2: 0.045}, "prefix/old": {1: 0.004, 2: 0.0025},
                         "prefix/ref": {1: 0.004, 2: 0.0025}, "prefix/actor": {1: 0.004, 2: 0.0025}}.items():
-        cost.rates[kind] = dict(rates)
-        cost.counts.update({(kind, c): 2 for c in rates})
+        if kind != "prefix/old" or old_pass:
+            cost.rates[kind] = dict(rates)
+            cost.counts.update({(kind, c): 2 for c in rates})
     ckpt = root / "checkpoints" / f"global_step_{step}"
     ckpt.mkdir(parents=True)
     schedule = {"cost": cost.state_dict(), "response_tokens": 1024, "decode_steps": 128,
                 "bytes_per_token": {"old": 1000.0, "ref": 1000.0, "actor": 3000.0}}
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "schedule": schedule}))
-    rows = [{"step": s, "timing_s/old_log_prob": 1.6, "timing_s/ref": 1.7, "timing_s/update_actor": 5.5 + (s == 1),
+    rows = [{"step": s, "timing_s/old_log_prob": 1.6 if old_pass else 0.0, "timing_s/ref": 1.7, "timing_s/update_actor": 5.5 + (s == 1),
              "timing_s/reward": 0.01, "timing_s/adv": 0.02, "timing_s/update_weights": 0.003,
              "prompt_length/mean": 100.0, "timing_s/step": 14.0 + s} for s in range(1, 6)]
     (root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -248,6 +250,20 @@ def test_calibrated_prediction_uses_the_saved_cost_model_and_the_measured_phases
     state.write_text('{"step": 3, "schedule": {}}')
     with pytest.raises(ValueError, match="only schedule=rollplex runs save a cost model"):
         cpu_predictions(cfg)
+
+
+def test_calibrated_prediction_without_an_old_policy_pass(tmp_path):
+    """A run whose one mini-batch took the old-policy log-probs from the actor's forward measured no
+    old pass: the prediction has none either (and one prefix pass per role less than above)."""
+    from rollplex_train.runtime.timeline_report import cpu_predictions
+
+    cfg = _config("+experiment=bench_cpu", f"timeline.run_dir={fake_run(tmp_path / 'run', old_pass=False)}")
+    preds, _, _ = cpu_predictions(cfg)
+    prefix = 8 * 100 * 0.0025
+    serial = preds["serial"]
+    assert serial.phases.get("old_log_prob", 0.0) == 0.0
+    assert serial.step_s == pytest.approx(128 * 0.045 + 2 * prefix + 1.7 + 5.5 + 0.01 + 0.02 + 0.003)
+    assert preds["rollplex"].step_s <= serial.step_s
 
 
 def test_cli_prints_the_32b_line_without_a_gpu(tmp_path):

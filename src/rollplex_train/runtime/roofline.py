@@ -51,6 +51,8 @@ class DeviceWork:
         mini_batch_groups: groups of one rank per optimizer step. train_tp, rollout_tp: TP degrees.
         train_dp: data-parallel degree of training (gradient reduction). recompute: ``none``,
             ``selective``, ``full``. needs_reference: KL on (reference passes exist).
+        old_from_actor_groups: groups of the first mini-batch whose old-policy log-probs come from
+            the actor's own forward (``runtime/old_policy.py``): no old-policy pass for them.
     """
 
     train_groups: int
@@ -66,6 +68,7 @@ class DeviceWork:
     train_dp: int
     recompute: str
     needs_reference: bool
+    old_from_actor_groups: int = 0
 
 
 def _layer_linear_flops(d: est.TransformerDims) -> float:

@@ -52,20 +52,31 @@ def _mini_groups(config: "Config", groups: int, dp: int) -> int:
     return groups if mini <= 0 else min(groups, math.ceil(mini / dp))
 
 
+def _old_from_actor(config: "Config", hf_config: dict, mini_batch_groups: int) -> int:
+    """Groups whose old-policy pass the runtime skips (``runtime/old_policy.py``): the first
+    mini-batch's, unless ``actor.recompute_old_log_prob`` or a dropout rate in ``hf_config``."""
+    from rollplex_train.models.loading import dropout_rates
+
+    if config.actor.recompute_old_log_prob or any(r > 0 for r in dropout_rates(hf_config).values()):
+        return 0
+    return mini_batch_groups
+
+
 def device_work(config: "Config", hf: Any, train_dp: int, rollout_dp: int) -> DeviceWork:
     """The work of one device when the step's prompts are spread over ``train_dp`` training ranks and
     ``rollout_dp`` rollout engines (the batch of ``memory.estimate.batch_shape``: prompts at
     ``data.max_prompt_length``)."""
     batch = est.batch_shape(config, hf)
     groups = math.ceil(batch.prompts / train_dp)
+    mini = _mini_groups(config, groups, train_dp)
     return DeviceWork(
         train_groups=groups, rollout_groups=math.ceil(batch.prompts / rollout_dp), n=batch.n,
         prompt_tokens=batch.prompt_tokens, vision_patches=batch.vision_patches,
         response_tokens=max(1, round(batch.response_tokens * config.timeline.mean_response_frac)),
-        decode_steps=batch.response_tokens, mini_batch_groups=_mini_groups(config, groups, train_dp),
+        decode_steps=batch.response_tokens, mini_batch_groups=mini,
         train_tp=config.actor.tensor_parallel_size, rollout_tp=config.rollout.tensor_parallel_size,
         train_dp=train_dp, recompute=config.memory.activation_recompute,
-        needs_reference=config.algorithm.needs_reference)
+        needs_reference=config.algorithm.needs_reference, old_from_actor_groups=_old_from_actor(config, hf.to_dict(), mini))
 
 
 def frame_patches(config: "Config", hf: Any) -> int:
@@ -81,7 +92,8 @@ def _graph(work: DeviceWork, decode_steps: int, prompt_tokens: int, response_tok
                             mini_batch_groups=work.mini_batch_groups, needs_reference=work.needs_reference,
                             weights_version=0, prefix_bytes_per_token=max(bytes_per_token.get("old", 0.0),
                                                                           bytes_per_token.get("ref", 0.0)),
-                            actor_bytes_per_token=bytes_per_token.get("actor", 0.0))
+                            actor_bytes_per_token=bytes_per_token.get("actor", 0.0),
+                            old_from_actor_groups=work.old_from_actor_groups)
 
 
 def memory_copies(config: "Config", hf: Any, layout_name: str) -> Optional[dict[str, Copies]]:
@@ -198,7 +210,9 @@ def cpu_predictions(config: "Config") -> tuple[dict[str, StepPrediction], list[s
     work = DeviceWork(train_groups=groups, rollout_groups=groups, n=config.rollout.n, prompt_tokens=run.prompt_tokens,
                       vision_patches=0, response_tokens=run.response_tokens // config.rollout.n,
                       decode_steps=run.decode_steps, mini_batch_groups=mini, train_tp=1, rollout_tp=1, train_dp=lay.train_dp,
-                      recompute="none", needs_reference=config.algorithm.needs_reference)
+                      recompute="none", needs_reference=config.algorithm.needs_reference,
+                      # the calibrated run tells whether the old-policy pass ran: it measured it or not
+                      old_from_actor_groups=0 if "prefix/old" in run.cost.rates else mini)
     graph = _graph(work, run.decode_steps, run.prompt_tokens, work.response_tokens, run.bytes_per_token)
     t = run.threads
     repeats = _prefix_copies(config)
