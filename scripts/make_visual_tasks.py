@@ -17,15 +17,16 @@ from rollplex_train.data.synthetic import TASKS, VisualTaskSpec, generate_visual
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output directory (rewritten deterministically)")
-    p.add_argument("--num-train", type=int, default=512, help="train samples per task")
-    p.add_argument("--num-val", type=int, default=64, help="val samples per task")
-    p.add_argument("--seed", type=int, default=0)
+    d = VisualTaskSpec()  # the defaults live in one place
+    p.add_argument("--num-train", type=int, default=d.num_train, help="train samples per task")
+    p.add_argument("--num-val", type=int, default=d.num_val, help="val samples per task")
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
-    p.add_argument("--color-size", type=int, default=56, help="color image side, pixels")
-    p.add_argument("--count-size", type=int, default=112, help="count image side, pixels")
-    p.add_argument("--direction-size", type=int, default=56, help="direction video frame side, pixels")
-    p.add_argument("--num-frames", type=int, default=8, help="frames per direction video")
-    p.add_argument("--video-fps", type=int, default=4, help="direction video frame rate")
+    p.add_argument("--color-size", type=int, default=d.color_size, help="color image side, pixels")
+    p.add_argument("--count-size", type=int, default=d.count_size, help="count image side, pixels (multiple of 28)")
+    p.add_argument("--direction-size", type=int, default=d.direction_size, help="direction video frame side, pixels")
+    p.add_argument("--num-frames", type=int, default=d.num_frames, help="frames per direction video")
+    p.add_argument("--video-fps", type=int, default=d.video_fps, help="direction video frame rate")
     return p.parse_args(argv)
 
 

@@ -59,8 +59,33 @@ def test_misspelt_key_is_an_error(override):
         ("actor.ppo_mini_batch_size=3", "actor.ppo_mini_batch_size"),
         ("model.shared_prefix=false", "model.shared_prefix"),
         ("actor.clip_ratio_c=0.5", "actor.clip_ratio_c"),
+        ("actor.lr_scheduler=linear", "actor.lr_scheduler"),
+        ("actor.min_lr_ratio=1.5", "actor.min_lr_ratio"),
+        ("actor.lr_decay_steps=0", "actor.lr_decay_steps"),
     ],
 )
 def test_bad_value_names_the_key(override, message):
     with pytest.raises(ValueError, match=message):
         _compose(["+experiment=tiny_cpu", "schedule=rollplex", override])
+
+
+def test_cosine_schedule_decays_over_the_whole_run():
+    """-1 resolves to the run's optimizer steps after the warm-up; the factor falls from 1 to the
+    floor along half a cosine and stays there."""
+    import math
+
+    from rollplex_train.training.torch_engine import lr_factor
+
+    cfg = _compose(["+experiment=tiny_cpu", "actor.lr_scheduler=cosine", "actor.min_lr_ratio=0.1",
+                    "actor.lr_warmup_steps=10", "trainer.total_steps=50"])
+    a = cfg.actor
+    assert a.lr_decay_steps == 50 * (16 // 4) - 10  # 4 mini-batches of 4 prompts per step of 16
+    assert lr_factor(0, a) == pytest.approx(0.1) and lr_factor(9, a) == pytest.approx(1.0)
+    assert lr_factor(10, a) == pytest.approx(1.0)
+    assert lr_factor(10 + a.lr_decay_steps // 2, a) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(10 + a.lr_decay_steps, a) == pytest.approx(0.1) == lr_factor(10**6, a)
+    steps = [lr_factor(k, a) for k in range(10, 10 + a.lr_decay_steps)]
+    assert all(x > y for x, y in zip(steps, steps[1:]))
+    assert not math.isnan(sum(steps))
+    constant = _compose(["+experiment=tiny_cpu"]).actor
+    assert constant.lr_decay_steps == -1 and lr_factor(10**6, constant) == 1.0

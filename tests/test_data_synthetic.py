@@ -49,11 +49,11 @@ def test_layout_and_schema(tasks_dir: Path):
         elif r["task"] == "direction":
             assert r["options"] == list(DIRECTIONS) and r["answer"] in DIRECTIONS
         else:
-            assert r["options"] == ["1", "2", "3", "4", "5"] and r["answer"] in {"1", "2", "3", "4", "5"}
+            assert r["options"] == ["1", "2", "3", "4"] and r["answer"] in {"1", "2", "3", "4"}
 
 
 def test_answers_balanced(tasks_dir: Path):
-    for task, k in (("color", 4), ("count", 5), ("direction", 4)):
+    for task, k in (("color", 4), ("count", 4), ("direction", 4)):
         counts = collections.Counter(pq.read_table(tasks_dir / f"{task}_train.parquet").column("answer").to_pylist())
         assert len(counts) == k and max(counts.values()) - min(counts.values()) <= 1, (task, counts)
 

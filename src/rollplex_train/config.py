@@ -197,6 +197,14 @@ class ActorConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     lr_warmup_steps: int = 0
     """Linear warm-up of the learning rate over this many optimizer steps."""
+    lr_scheduler: str = "constant"
+    """After the warm-up: ``constant``, or ``cosine`` (half a cosine from ``lr`` down to
+    ``min_lr_ratio * lr`` over ``lr_decay_steps``; verl's ``warmup_style``)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule, as a fraction of ``lr``."""
+    lr_decay_steps: int = -1
+    """Optimizer steps from the end of the warm-up to the floor; -1: the rest of the run
+    (``trainer.total_steps`` x mini-batches per step x ``ppo_epochs`` - warm-up)."""
     grad_clip: float = 1.0
     """Clip the global grad norm to this value (<= 0 disables clipping)."""
     ppo_mini_batch_size: int = -1
@@ -233,6 +241,11 @@ class ActorConfig:
         if not self.clip_ratio_c > 1.0:
             raise ValueError(f"actor.clip_ratio_c={self.clip_ratio_c}: expected a number > 1 (dual-clip PPO)")
         _check_choice("actor", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+        _check_choice("actor", "lr_scheduler", self.lr_scheduler, ("constant", "cosine"))
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"actor.min_lr_ratio={self.min_lr_ratio}: expected a number in [0, 1]")
+        if self.lr_decay_steps == 0 or self.lr_decay_steps < -1:
+            raise ValueError(f"actor.lr_decay_steps={self.lr_decay_steps}: expected -1 or > 0")
         _check_positive("actor", "tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("actor", "pipeline_parallel_size", self.pipeline_parallel_size)
         if len(self.betas) != 2:
@@ -478,6 +491,10 @@ class Config:
                 f"actor.ppo_mini_batch_size={mini} must divide data.rollout_batch_size="
                 f"{self.data.rollout_batch_size}"
             )
+        if a.lr_scheduler == "cosine" and a.lr_decay_steps == -1:  # resolved once here (verl injects
+            # total_training_steps into its optimizer config the same way)
+            per_step = 1 if mini <= 0 else self.data.rollout_batch_size // mini
+            a.lr_decay_steps = max(1, self.trainer.total_steps * per_step * a.ppo_epochs - max(a.lr_warmup_steps, 0))
 
 
 def register_configs() -> None:

@@ -4,7 +4,8 @@ Three tasks, each small enough that a tiny VLM can learn it in a few hundred RL 
 
 - ``color``: one filled shape (circle, square or triangle) of one of four colours on a plain light
   background; the answer is the colour (4 options).
-- ``count``: 1-5 non-overlapping shapes of one colour; the answer is the number as a string.
+- ``count``: 1-4 shapes of one colour, each in its own cell of a grid of 28x28-pixel cells (one
+  cell is one vision token of Qwen2.5-VL: 14-pixel patches merged 2x2); the answer is the number.
 - ``direction``: a short H.264 video (default 8 frames at 4 fps) of one shape moving left, right,
   up or down; the answer is the direction (4 options).
 
@@ -47,7 +48,8 @@ COLORS: dict[str, tuple[int, int, int]] = {
 }
 SHAPES = ("circle", "square", "triangle")
 DIRECTIONS = ("left", "right", "up", "down")
-MAX_COUNT = 5
+MAX_COUNT = 4
+COUNT_CELL = 28  # pixels: one merged vision token (patch 14 x spatial merge 2)
 
 MANIFEST_SCHEMA = pa.schema(
     [
@@ -61,7 +63,7 @@ MANIFEST_SCHEMA = pa.schema(
 )
 
 COLOR_PROBLEM = "<image>What is the colour of the shape? Options: red, green, blue, yellow."
-COUNT_PROBLEM = "<image>How many shapes are in the image? Answer with a number from 1 to 5."
+COUNT_PROBLEM = "<image>How many shapes are in the image? Answer with a number from 1 to 4."
 DIRECTION_PROBLEM = "<video>Which way does the shape move? Options: left, right, up, down."
 
 
@@ -74,7 +76,8 @@ class VisualTaskSpec:
         num_val: samples per task in the val split.
         seed: base seed; every sample derives its own generator from it.
         color_size: side of the square ``color`` images, pixels.
-        count_size: side of the square ``count`` images, pixels.
+        count_size: side of the square ``count`` images, pixels (a multiple of 28 with at least
+            four 28-pixel cells).
         direction_size: side of the square ``direction`` video frames, pixels (even, for yuv420p).
         num_frames: frames per ``direction`` video.
         video_fps: frame rate written into the mp4, frames per second.
@@ -85,7 +88,7 @@ class VisualTaskSpec:
     num_val: int = 64
     seed: int = 0
     color_size: int = 56
-    count_size: int = 112
+    count_size: int = 56
     direction_size: int = 56
     num_frames: int = 8
     video_fps: int = 4
@@ -98,6 +101,9 @@ class VisualTaskSpec:
         for key in ("color_size", "count_size", "direction_size"):
             if getattr(self, key) < 16:
                 raise ValueError(f"{key}={getattr(self, key)}: expected >= 16 pixels")
+        if self.count_size % COUNT_CELL or (self.count_size // COUNT_CELL) ** 2 < MAX_COUNT:
+            raise ValueError(f"count_size={self.count_size}: expected a multiple of {COUNT_CELL} pixels "
+                             f"with room for {MAX_COUNT} cells")
         if self.direction_size % 2:
             raise ValueError(f"direction_size={self.direction_size}: H.264 yuv420p needs an even size")
         if self.num_frames < 2 or self.video_fps < 1:
@@ -136,37 +142,38 @@ def _color_image(rng: np.random.Generator, answer_index: int, size: int) -> Imag
 
 
 def _count_image(rng: np.random.Generator, count: int, size: int) -> Image.Image:
-    """``count`` non-overlapping shapes of one random colour (rejection-sampled boxes, 2 px apart)."""
+    """``count`` shapes of one random colour, each in a distinct random cell of the 28-pixel grid.
+
+    A shape covers 60-90% of its cell's side at a random offset inside it, so shapes never touch and
+    the count equals the number of vision tokens that hold a shape.
+    """
     colour = COLORS[list(COLORS)[int(rng.integers(len(COLORS)))]]
     img = Image.new("RGB", (size, size), _background(rng))
     draw = ImageDraw.Draw(img)
-    side_lo, side_hi = max(6, size // 9), max(8, size // 6)
-    boxes: list[tuple[int, int, int, int]] = []
-    attempts = 0
-    while len(boxes) < count:
-        attempts += 1
-        if attempts > 10_000:  # the sizes above leave ample room; this guards a bad size argument
-            raise ValueError(f"count_size={size}: cannot place {count} non-overlapping shapes")
-        side = int(rng.integers(side_lo, side_hi + 1))
-        x0, y0 = int(rng.integers(0, size - side)), int(rng.integers(0, size - side))
-        box = (x0, y0, x0 + side, y0 + side)
-        if all(box[2] + 2 < b[0] or b[2] + 2 < box[0] or box[3] + 2 < b[1] or b[3] + 2 < box[1] for b in boxes):
-            boxes.append(box)
-    for box in boxes:
-        _draw_shape(draw, SHAPES[int(rng.integers(len(SHAPES)))], box, colour)
+    cells = size // COUNT_CELL
+    for cell in rng.choice(cells * cells, size=count, replace=False):
+        side = int(rng.integers(COUNT_CELL * 6 // 10, COUNT_CELL * 9 // 10 + 1))
+        x0 = int(cell % cells) * COUNT_CELL + int(rng.integers(0, COUNT_CELL - side + 1))
+        y0 = int(cell // cells) * COUNT_CELL + int(rng.integers(0, COUNT_CELL - side + 1))
+        _draw_shape(draw, SHAPES[int(rng.integers(len(SHAPES)))], (x0, y0, x0 + side - 1, y0 + side - 1), colour)
     return img
 
 
 def _direction_frames(rng: np.random.Generator, answer_index: int, size: int, num_frames: int) -> np.ndarray:
-    """Frames (T, size, size, 3) uint8 of one shape moving in ``DIRECTIONS[answer_index]``."""
+    """Frames (T, size, size, 3) uint8 of one shape moving in ``DIRECTIONS[answer_index]``.
+
+    A large shape (3/8 to 1/2 of the side) moves a few pixels per frame (3/8 of the side in all):
+    its leading and trailing edges shift inside a patch between the two frames of one temporal patch,
+    so the motion is visible to the vision tower's first layer wherever the shape is.
+    """
     direction = DIRECTIONS[answer_index]
     colour = COLORS[list(COLORS)[int(rng.integers(len(COLORS)))]]
     shape = SHAPES[int(rng.integers(len(SHAPES)))]
     background = _background(rng)
-    side = int(rng.integers(size // 6, size // 4 + 1))
-    travel = size - side - 4  # the whole free span, so the motion is plain to see
-    start = 2
-    cross = int(rng.integers(0, size - side))
+    side = int(rng.integers(size * 3 // 8, size // 2 + 1))
+    travel = size * 3 // 8
+    start = int(rng.integers(0, size - side - travel + 1))
+    cross = int(rng.integers(0, size - side + 1))
     frames = []
     for t in range(num_frames):
         along = start + round(travel * t / (num_frames - 1))
@@ -195,7 +202,10 @@ def write_mp4(path: Path, frames: np.ndarray, fps: int) -> None:
     with av.open(str(path), "w", format="mp4") as container:
         stream = container.add_stream("libx264", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": "18", "threads": "1"}
+        # byte-stable output: with only ``threads=1`` about 1 video in 40 came out with different
+        # bytes from one encode to the next (x264's macroblock-tree rate control; off here)
+        stream.options = {"crf": "18", "threads": "1",
+                          "x264-params": "threads=1:lookahead-threads=1:mbtree=0"}
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)

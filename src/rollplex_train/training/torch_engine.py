@@ -46,14 +46,25 @@ def _rows(batch: TrainBatch, rows: torch.Tensor) -> dict[str, Optional[torch.Ten
     )
 
 
-def build_optimizer(params: list[torch.nn.Parameter], actor: ActorConfig):
-    """AdamW over ``params`` and its linear warm-up over ``actor.lr_warmup_steps`` optimizer steps
-    (``LambdaLR``: factor ``min(1, (step + 1) / warmup)``)."""
-    optimizer = torch.optim.AdamW(params, lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay)
+def lr_factor(step: int, actor: ActorConfig) -> float:
+    """Multiplier of ``actor.lr`` at optimizer step ``step`` (0-based): linear warm-up
+    ``min(1, (step + 1) / warmup)`` over ``actor.lr_warmup_steps``, then ``constant`` (1) or
+    ``cosine``: ``r + (1 - r) (1 + cos(pi t)) / 2`` with ``t = min(1, (step - warmup) /
+    lr_decay_steps)`` and ``r = actor.min_lr_ratio`` (the shape of verl's
+    ``get_cosine_schedule_with_warmup``, verl/utils/torch_functional.py)."""
     warmup = max(actor.lr_warmup_steps, 0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-    )
+    if step < warmup:
+        return (step + 1) / warmup
+    if actor.lr_scheduler == "constant":
+        return 1.0
+    t = min(1.0, (step - warmup) / max(actor.lr_decay_steps, 1))
+    return actor.min_lr_ratio + (1.0 - actor.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def build_optimizer(params: list[torch.nn.Parameter], actor: ActorConfig):
+    """AdamW over ``params`` and its learning-rate schedule (``LambdaLR`` over :func:`lr_factor`)."""
+    optimizer = torch.optim.AdamW(params, lr=actor.lr, betas=tuple(actor.betas), weight_decay=actor.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, actor))
     return optimizer, scheduler
 
 
