@@ -139,7 +139,7 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
     """Synchronous semantics: moving prefix work into decode (rollplex) or splitting the cores
     (disaggregated) changes no result over 3 steps; the rollplex step trace opens as Chrome JSON.
     The schedules run on the in-process executor (no Ray: the same worker groups in the driver)."""
-    common = ["cluster.executor=inprocess", "trainer.total_steps=3", "trainer.save_freq=3", "trainer.val_freq=0", "trainer.val_before_train=false",
+    common = ["cluster.executor=inprocess", "trainer.save_freq=3", "trainer.val_freq=0", "trainer.val_before_train=false",
               "data.rollout_batch_size=4", "rollout.n=4", "actor.ppo_mini_batch_size=2", "model.shared_prefix=true",
               "trainer.loggers=[jsonl]", "trainer.rollout_data_dir=rollouts",
               # hot sampling: responses of varied length, so groups finish at different decode steps
@@ -149,13 +149,19 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
                 "rollplex+offload": ["memory.offload_optimizer=true"],  # optimizer states to host and back
                 # no prefix state may stay alive: the window is empty and the decode tail scores the
                 # suffixes of finished groups beside the groups still decoding
-                "rollplex+tail": ["schedule.prefix_memory_gib=0"]}
+                "rollplex+tail": ["schedule.prefix_memory_gib=0"],
+                # nothing fits the window and no tail can form (every response runs to
+                # max_new_tokens): after profiling, the step is the serial schedule's own
+                "serial+ignore_eos": ["rollout.ignore_eos=true"],
+                "rollplex+serial_step": ["schedule.prefix_memory_gib=0", "rollout.ignore_eos=true"]}
     for schedule, extra in variants.items():
         out = tmp_path / schedule
-        proc = run_cli(out, *common, f"schedule={schedule.split('+')[0]}", "trainer.trace_steps=[3]", *extra)
+        steps = 4 if schedule.endswith("ignore_eos") or schedule.endswith("serial_step") else 3  # planned from step 4
+        proc = run_cli(out, *common, f"schedule={schedule.split('+')[0]}", f"trainer.total_steps={steps}",
+                       f"trainer.trace_steps=[{steps}]", *extra)
         assert proc.returncode == 0, proc.stderr[-4000:]
         runs[schedule] = (read_metrics_jsonl(out / "metrics.jsonl"),
-                          torch.load(out / "checkpoints" / "global_step_3" / "actor.pt", weights_only=True))
+                          torch.load(out / "checkpoints" / f"global_step_{steps}" / "actor.pt", weights_only=True))
     serial, w_serial = runs["serial"]
     offloaded = [r["memory/offloaded_bytes"] for r in runs["rollplex+offload"][0]]
     assert offloaded[0] == 0 and offloaded[1] > 0 and offloaded[1:] == [r["memory/prefetched_bytes"]
@@ -174,6 +180,15 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
                 assert b[key] == pytest.approx(a[key], abs=1e-6), (schedule, a["step"], key)
         for name, value in w_serial.items():
             assert (w_other[name] - value).abs().max() <= 1e-5, (schedule, name)
+    same = runs["serial+ignore_eos"][1]
+    for name, value in runs["rollplex+serial_step"][1].items():
+        assert (same[name] - value).abs().max() <= 1e-5, name
+    fallback = runs["rollplex+serial_step"][0]
+    # steps 1-2 measure the prefixes on the whole device; step 3 would split an empty window
+    assert [r["rollplex/serial_step"] for r in fallback] == [0.0, 0.0, 1.0, 1.0]
+    assert [r["rollplex/serial_step"] for r in runs["rollplex"][0]] == [0.0, 0.0, 0.0]
+    trace = json.loads((tmp_path / "rollplex+serial_step" / "traces" / "step_4.json").read_text())
+    assert not {"prefix_after", "reshare"} & {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     # the decode tail: some group finished decoding before the last one (sampling is seeded per
     # sequence, so this holds for every run of this command), and its suffixes were scored beside
     # the decode (the same results as above)

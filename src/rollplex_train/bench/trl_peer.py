@@ -210,6 +210,9 @@ def run_trl(cfg: Config, steps: int, out: Path, threads: int = 2) -> dict[str, A
 
     reward_fn.__name__ = f"rollplex_{cfg.reward.function}"
     r, a = cfg.rollout, cfg.actor
+    if a.lr_scheduler != "constant":  # TRL's constant schedule below is the only one mapped
+        raise ValueError(f"actor.lr_scheduler={a.lr_scheduler}: the TRL peer runs a constant learning rate; "
+                         "benchmark with actor.lr_scheduler=constant")
     vision_ids = [tokenizer.convert_tokens_to_ids(t) for t in
                   ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")]
     settings = dict(

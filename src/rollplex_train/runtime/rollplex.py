@@ -9,6 +9,8 @@ placement under the cost model (``runtime/cost_model.py``), then drive it:
    weights version — both workers check the version, so the update stays synchronous on-policy;
 3. as soon as the window's tasks are done, give the decoder the whole device back (mid-decode);
 4. after decode, run the movable tasks the planner left out on the whole device;
+   when the plan overlaps nothing and no decode tail can form (``rollout.ignore_eos``), the step
+   is the serial schedule's instead (``rollplex/serial_step``): the planner never makes it slower;
 5. feed the measured seconds (decode per thread count, prefix per role and thread count, the
    re-share cost) back into the cost model.
 
@@ -140,10 +142,35 @@ class RollplexSchedule(SerialSchedule):
         return [self.workers.train.precompute_prefixes(step_prompts, groups, [role], self.weights_version)
                 for role, groups in calls]
 
+    def decode_tail_possible(self) -> bool:
+        """Whether suffixes may be scored beside the decode tail: groups can finish at different
+        decode steps (EOS or stop strings end responses; not under ``rollout.ignore_eos``), the
+        schedule streams suffixes (``schedule.stream_suffix``) and the device has two threads."""
+        return self.cfg.schedule.stream_suffix and self.workers.threads > 1 and not self.cfg.rollout.ignore_eos
+
+    def _serial_rollout(self, plan: WindowPlan, step_prompts, step: int, t: dict[str, float]):
+        """A step whose plan overlaps nothing (after the whole-device calibration steps) and whose
+        decode has no tail to use: the serial
+        schedule's own rollout phase (one ``generate`` call), so that the step costs what the serial
+        schedule's does; the prefixes run inside the later phases, as there. The decode rate still
+        feeds the cost model."""
+        self.streamed = {"actor": {}, "ref": {}}
+        gen_start = self.timeline.now()
+        responses, metrics = super().rollout_phase(step_prompts, step, t)
+        gen_end = self.timeline.now()
+        self._observe(responses, [], self.workers.rollout.decode_stats(), len(step_prompts.prompts))
+        metrics.update(self._metrics(plan, [], gen_start, gen_end))
+        metrics.update({"rollplex/prefix_hidden_frac": 0.0, "rollplex/serial_step": 1.0,
+                        "rollplex/tail_groups": 0.0})
+        return responses, metrics
+
     def rollout_phase(self, step_prompts, step: int, t: dict[str, float]):
         w, tl, total = self.workers, self.timeline, self.workers.threads
         prompts = step_prompts.prompts
         plan = self.last_plan = self._plan(step_prompts)
+        # profile_serial steps measure the prefix rates on the whole device: they keep the rollplex path
+        if plan.mode != "profile_serial" and not plan.overlaps and not self.decode_tail_possible():
+            return self._serial_rollout(plan, step_prompts, step, t)
         full = (total, total)
         split = (plan.decode_share, plan.train_share) if plan.overlaps else w.halves()
         stream_suffix = self.cfg.schedule.stream_suffix and total > 1 and plan.mode != "profile_serial"
@@ -194,6 +221,7 @@ class RollplexSchedule(SerialSchedule):
         self._observe(responses, results, w.rollout.decode_stats(), len(prompts))
         metrics = self._metrics(plan, [r for _, r in results], gen_start, gen_end)
         metrics["rollplex/tail_groups"] = float(max(len(v) for v in self.streamed.values()))
+        metrics["rollplex/serial_step"] = 0.0
         return responses, metrics
 
     def _collect_tail(self, tail: list, wait: bool) -> None:
