@@ -30,7 +30,7 @@ CLI = Path(sys.executable).parent / "rollplex-train"
 EMBEDDED_TASKS = ROOT / "artifacts" / "data" / "visual_tasks"
 EMBEDDED_CKPT = ROOT / "artifacts" / "checkpoints" / "tiny-qwen25vl"
 
-# Tasks of the synthetic set and what their media look like (VisualTaskSpec defaults):
+# Tasks of the test set and what their media look like (VisualTaskSpec defaults, count_size=112):
 #   color: 56x56 image -> image grid (1, 4, 4) -> 4 placeholder tokens
 #   count: 112x112 image -> image grid (1, 8, 8) -> 16 placeholder tokens
 #   direction: 8-frame 56x56 video -> video grid (2, 4, 4) at the default data.video_fps
@@ -45,7 +45,8 @@ torch.set_num_threads(1)
 def tiny_tasks(tmp_path_factory) -> Path:
     """Directory of the synthetic visual tasks (32 train / 8 val rows per task)."""
     out = tmp_path_factory.mktemp("tiny_tasks")
-    generate_visual_tasks(out, VisualTaskSpec(num_train=32, num_val=8))
+    # count images at 112 px (4x4 cells of 28 px, not the default 56): a second image size for the tests
+    generate_visual_tasks(out, VisualTaskSpec(num_train=32, num_val=8, count_size=112))
     return out
 
 

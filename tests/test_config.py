@@ -87,5 +87,5 @@ def test_cosine_schedule_decays_over_the_whole_run():
     steps = [lr_factor(k, a) for k in range(10, 10 + a.lr_decay_steps)]
     assert all(x > y for x, y in zip(steps, steps[1:]))
     assert not math.isnan(sum(steps))
-    constant = _compose(["+experiment=tiny_cpu"]).actor
+    constant = _compose(["+experiment=tiny_cpu", "actor.lr_scheduler=constant"]).actor
     assert constant.lr_decay_steps == -1 and lr_factor(10**6, constant) == 1.0
