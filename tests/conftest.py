@@ -123,6 +123,19 @@ def mixed_prompts(make_prompts) -> list[PromptSample]:
     return prompts
 
 
+def scored_batch(rollout, trainer, prompts: list[PromptSample], params):
+    """A TrainBatch ready for ``trainer.update_actor``: ``rollout``'s responses to ``prompts``, old
+    and reference log-probs from ``trainer``, advantages drawn from a fixed seed."""
+    from rollplex_train.runtime.batching import to_train_batch
+
+    responses = rollout.generate(prompts, params, weights_version=0)
+    batch = to_train_batch(prompts, responses, rollout.pad_id)
+    batch.old_logprobs, _ = trainer.compute_log_probs(batch, "actor")
+    batch.ref_logprobs, _ = trainer.compute_log_probs(batch, "ref")
+    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    return batch
+
+
 def text_prompt(tokenizer, problem: str, uid: str = "text:0") -> PromptSample:
     """A text-only prompt (no vision inputs) rendered with the chat template."""
     messages = build_messages(problem, num_images=0, num_videos=0)

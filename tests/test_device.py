@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import scored_batch
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ClusterConfig, ModelConfig
 from rollplex_train.device import compute_context, engine_device, layout_device
 from rollplex_train.device_share import MachineFacts, check_config, check_machine, enter_side
@@ -82,11 +83,7 @@ def test_in_process_sharing_hands_over_the_tensors_themselves(tiny_ckpt_qwen25, 
     assert all(mapped[n].data_ptr() == p.data_ptr() for n, p in actor.items())  # the same memory
     assert not any(p.is_shared() for p in trainer.actor.parameters())  # nothing moved to shared memory
 
-    responses = rollout.generate(mixed_prompts, PARAMS, weights_version=0)
-    batch = to_train_batch(mixed_prompts, responses, rollout.pad_id)
-    batch.old_logprobs, _ = trainer.compute_log_probs(batch, "actor")
-    batch.ref_logprobs, _ = trainer.compute_log_probs(batch, "ref")
-    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    batch = scored_batch(rollout, trainer, mixed_prompts, PARAMS)
     before = trainer.weights_digest()
     trainer.update_actor(batch)
     with pytest.raises(StaleWeightsError, match="being updated"):

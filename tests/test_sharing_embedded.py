@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import scored_batch
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.rollout.base import SamplingParams, StaleWeightsError
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
@@ -50,11 +51,7 @@ def test_engines_share_the_actor_in_place(tiny_ckpt_qwen25, mixed_prompts, tmp_p
     assert rollout.model.lm_head.weight is rollout.model.model.language_model.embed_tokens.weight
     assert rollout.weights_digest() == trainer.weights_digest()
 
-    responses = rollout.generate(mixed_prompts, PARAMS, weights_version=0)
-    batch = to_train_batch(mixed_prompts, responses, rollout.pad_id)
-    batch.old_logprobs, _ = trainer.compute_log_probs(batch, "actor")
-    batch.ref_logprobs, _ = trainer.compute_log_probs(batch, "ref")
-    batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
+    batch = scored_batch(rollout, trainer, mixed_prompts, PARAMS)
     before = trainer.weights_digest()
     trainer.update_actor(batch)
     assert rollout.weights_digest() == trainer.weights_digest() != before  # seen without a copy

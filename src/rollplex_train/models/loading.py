@@ -105,7 +105,11 @@ def dropout_rates(config: dict, prefix: str = "") -> dict[str, float]:
     return rates
 
 
+def has_dropout(config: dict) -> bool:
+    """Whether a HF ``config.json`` dict sets any dropout rate above zero."""
+    return any(rate > 0 for rate in dropout_rates(config).values())
+
+
 def checkpoint_has_dropout(path: str | Path) -> bool:
     """Whether the checkpoint's ``config.json`` sets any dropout rate above zero."""
-    cfg = json.loads((check_checkpoint_dir(path) / "config.json").read_text())
-    return any(rate > 0 for rate in dropout_rates(cfg).values())
+    return has_dropout(json.loads((check_checkpoint_dir(path) / "config.json").read_text()))

@@ -15,13 +15,20 @@ the separate pass for every mini-batch.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from rollplex_train.config import Config
-from rollplex_train.models.loading import checkpoint_has_dropout
+from rollplex_train.models.loading import checkpoint_has_dropout, has_dropout
 
 
-def actor_forward_is_old_policy(cfg: Config) -> bool:
-    """Whether the first mini-batch takes its old-policy log-probs from the actor's own forward."""
-    return not cfg.actor.recompute_old_log_prob and not checkpoint_has_dropout(cfg.model.path)
+def actor_forward_is_old_policy(cfg: Config, hf_config: Optional[dict] = None) -> bool:
+    """Whether the first mini-batch takes its old-policy log-probs from the actor's own forward.
+
+    Args:
+        hf_config: the model's ``config.json`` dict; None reads it from ``model.path``.
+    """
+    dropout = checkpoint_has_dropout(cfg.model.path) if hf_config is None else has_dropout(hf_config)
+    return not cfg.actor.recompute_old_log_prob and not dropout
 
 
 def first_mini_batch_groups(cfg: Config, num_groups: int) -> int:

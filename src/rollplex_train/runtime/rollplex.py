@@ -145,15 +145,16 @@ class RollplexSchedule(SerialSchedule):
     def decode_tail_possible(self) -> bool:
         """Whether suffixes may be scored beside the decode tail: groups can finish at different
         decode steps (EOS or stop strings end responses; not under ``rollout.ignore_eos``), the
-        schedule streams suffixes (``schedule.stream_suffix``) and the device has two threads."""
+        schedule streams suffixes (``schedule.stream_suffix``) and the device has two threads.
+        Under ``ignore_eos`` the one tail left — the builtin engine's later chunks of more than
+        ``rollout.max_batch_size`` sequences — is given up."""
         return self.cfg.schedule.stream_suffix and self.workers.threads > 1 and not self.cfg.rollout.ignore_eos
 
     def _serial_rollout(self, plan: WindowPlan, step_prompts, step: int, t: dict[str, float]):
         """A step whose plan overlaps nothing (after the whole-device calibration steps) and whose
-        decode has no tail to use: the serial
-        schedule's own rollout phase (one ``generate`` call), so that the step costs what the serial
-        schedule's does; the prefixes run inside the later phases, as there. The decode rate still
-        feeds the cost model."""
+        decode has no tail to use: the serial schedule's own rollout phase (one ``generate`` call),
+        so that the step costs what the serial schedule's does; the prefixes run inside the later
+        phases, as there. The decode rate still feeds the cost model."""
         self.streamed = {"actor": {}, "ref": {}}
         gen_start = self.timeline.now()
         responses, metrics = super().rollout_phase(step_prompts, step, t)

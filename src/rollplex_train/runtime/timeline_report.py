@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from rollplex_train.memory import estimate as est
 from rollplex_train.parallel import ParallelLayout
 from rollplex_train.runtime.graph import StepGraph, build_step_graph
+from rollplex_train.runtime.old_policy import actor_forward_is_old_policy
 from rollplex_train.runtime.predict import PHASE_ROWS, Copies, StepPrediction, predict_rollplex, predict_serial
 from rollplex_train.runtime.roofline import DeviceWork, RooflineModel
 
@@ -52,16 +53,6 @@ def _mini_groups(config: "Config", groups: int, dp: int) -> int:
     return groups if mini <= 0 else min(groups, math.ceil(mini / dp))
 
 
-def _old_from_actor(config: "Config", hf_config: dict, mini_batch_groups: int) -> int:
-    """Groups whose old-policy pass the runtime skips (``runtime/old_policy.py``): the first
-    mini-batch's, unless ``actor.recompute_old_log_prob`` or a dropout rate in ``hf_config``."""
-    from rollplex_train.models.loading import dropout_rates
-
-    if config.actor.recompute_old_log_prob or any(r > 0 for r in dropout_rates(hf_config).values()):
-        return 0
-    return mini_batch_groups
-
-
 def device_work(config: "Config", hf: Any, train_dp: int, rollout_dp: int) -> DeviceWork:
     """The work of one device when the step's prompts are spread over ``train_dp`` training ranks and
     ``rollout_dp`` rollout engines (the batch of ``memory.estimate.batch_shape``: prompts at
@@ -76,7 +67,7 @@ def device_work(config: "Config", hf: Any, train_dp: int, rollout_dp: int) -> De
         decode_steps=batch.response_tokens, mini_batch_groups=mini,
         train_tp=config.actor.tensor_parallel_size, rollout_tp=config.rollout.tensor_parallel_size,
         train_dp=train_dp, recompute=config.memory.activation_recompute,
-        needs_reference=config.algorithm.needs_reference, old_from_actor_groups=_old_from_actor(config, hf.to_dict(), mini))
+        needs_reference=config.algorithm.needs_reference, old_from_actor_groups=mini if actor_forward_is_old_policy(config, hf.to_dict()) else 0)
 
 
 def frame_patches(config: "Config", hf: Any) -> int:

@@ -23,7 +23,7 @@ from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.device import compute_context, layout_device
-from rollplex_train.models.loading import dropout_rates, load_model, load_tokenizer
+from rollplex_train.models.loading import has_dropout, load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
 from rollplex_train.training.base import PrefixFunctions, PrefixPasses
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
@@ -265,7 +265,7 @@ class TorchTrainEngine(TrainEngine):
         if batch.advantages is None or (batch.old_logprobs is None and not (from_actor and len(specs) == 1)):
             raise ValueError("update_actor needs batch.advantages and batch.old_logprobs (all mini-batches but "
                              "the first when old_logprobs_from_actor)")
-        if from_actor and any(r > 0 for r in dropout_rates(self.actor.config.to_dict()).values()):
+        if from_actor and has_dropout(self.actor.config.to_dict()):
             raise ValueError("old_logprobs_from_actor: the checkpoint has dropout, so the training forward is "
                              "not the old policy; set actor.recompute_old_log_prob=true")
         use_kl = self.algo.use_kl_loss and self.ref is not None
