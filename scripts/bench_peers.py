@@ -28,8 +28,10 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--trl-steps", type=int, default=2, help="TRL steps per run (timed from step 2)")
-    parser.add_argument("--serial-steps", type=int, default=2, help="serial steps per run (timed from step 2)")
-    parser.add_argument("--rollplex-steps", type=int, default=4, help="rollplex steps per run (timed from step 4)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per serial_shared / rollplex run")
+    parser.add_argument("--timed-from", type=int, default=4,
+                        help="first timed step of serial_shared and rollplex runs (rollplex calibrates in steps 1-3)")
+    parser.add_argument("--full-sequence-steps", type=int, default=2, help="full-sequence serial steps (timed from 2)")
     parser.add_argument("--max-load", type=float, default=2.5, help="wait until the 1-min load average is below")
     parser.add_argument("--max-wait", type=float, default=300.0, help="longest wait for that, seconds")
     parser.add_argument("--full-sequence-rounds", type=int, default=None,
@@ -41,8 +43,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
     results = run_rounds(args.workloads.split(","), args.systems.split(","), args.rounds, out,
-                         [f"model.path={args.model}", *args.overrides], trl_steps=args.trl_steps, serial_steps=args.serial_steps,
-                         rollplex_steps=args.rollplex_steps, max_load=args.max_load, max_wait_s=args.max_wait,
+                         [f"model.path={args.model}", *args.overrides], trl_steps=args.trl_steps, steps=args.steps,
+                         timed_from=args.timed_from, full_sequence_steps=args.full_sequence_steps, max_load=args.max_load, max_wait_s=args.max_wait,
                          full_sequence_rounds=args.full_sequence_rounds,
                          report=lambda line: print(line, flush=True))
     print("\n".join(table(results)))

@@ -93,6 +93,29 @@ def test_a_finished_run_says_so(embedded_assets, tmp_path, caplog):
     assert not ray.is_initialized() and not (out / "metrics.jsonl").exists()
 
 
+def test_a_resume_under_another_lr_schedule_says_so(embedded_assets, tmp_path, caplog):
+    from rollplex_train.trainer import Trainer
+
+    out = tmp_path / "run"
+    step_dir = out / "checkpoints" / "global_step_3"
+    step_dir.mkdir(parents=True)
+    cfg = _config(embedded_assets, out, total_steps=6)
+    saved = {"lr_scheduler": "cosine", "lr_decay_steps": 12, "lr": cfg.actor.lr}
+    (step_dir / "trainer_state.json").write_text(json.dumps({"step": 3, "wandb_run_id": None, "lr_schedule": saved}))
+    (out / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("3")
+    cfg.actor.lr_scheduler, cfg.actor.lr_decay_steps = "cosine", 24  # total_steps raised: a longer decay
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.trainer"):
+        Trainer(cfg, out)
+    assert [r.getMessage() for r in caplog.records] == [
+        "resuming under another learning-rate schedule: actor.lr_decay_steps=24 (checkpoint: 12); the new one "
+        "applies from step 3 on; set actor.lr_decay_steps=12 to keep the checkpoint's decay"]
+    caplog.clear()
+    cfg.actor.lr_decay_steps = 12
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.trainer"):
+        Trainer(cfg, out)
+    assert caplog.records == []
+
+
 def test_default_paths_resolve_from_any_directory(embedded_assets, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = resolve_config_paths(Config(), ROOT)
@@ -115,6 +138,32 @@ def test_cli_from_another_directory_names_the_paths_tried(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (f"rollplex-train: error: model.path='ckpts/none': not found; tried "
                                    f"{tmp_path / 'ckpts/none'} and {ROOT / 'ckpts/none'}")
+
+
+@pytest.mark.parametrize("override, line", [
+    ("actor.lrr=1e-4", "Could not override 'actor.lrr'. Key 'lrr' not in 'ActorConfig'"),
+    ("actor.lr=fast", "Error merging override actor.lr=fast Value 'fast' of type 'str' could not be converted to Float"),
+    ("schedule=bogus", "In 'config': Could not find 'schedule/bogus'; expected one of: disaggregated, rollplex, serial"),
+    ("actor.lr=[1", "override 'actor.lr=[1': no viable alternative at input '[1' See "
+                    "https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details"),
+])
+def test_config_hydra_cannot_compose_fails_in_one_line(tmp_path, override, line):
+    proc = subprocess.run([str(CLI), "+experiment=tiny_cpu", override, "--cfg", "job"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert (proc.returncode, proc.stderr) == (2, f"rollplex-train: error: {line}\n")
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_hydra_record_follows_the_output_dir(tmp_path):
+    from rollplex_train.cli import follow_output_dir
+
+    assert follow_output_dir(["prog", "trainer.output_dir=/r", "--cfg", "job"]) == [
+        "prog", "trainer.output_dir=/r", "hydra.run.dir=/r", "--cfg", "job"]
+    for argv in (["prog", "a=1"], ["prog", "trainer.output_dir=/r", "hydra.run.dir=/h"], ["prog", "trainer.output_dir=null"]):
+        assert follow_output_dir(argv) == argv  # nothing to follow, or a run dir of the user's own
+    proc = subprocess.run([str(CLI), "+experiment=tiny_cpu", f"trainer.output_dir={tmp_path / 'run'}", "--cfg", "hydra"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and f"dir: {tmp_path / 'run'}\n" in proc.stdout
 
 
 def test_every_experiment_config_resolves(tmp_path):
@@ -166,7 +215,9 @@ def test_rollout_dump_holds_prompt_text_and_media(tmp_path, make_prompts, train_
     for line, prompt in zip(lines, [prompts[0], prompts[0], prompts[1], prompts[1]]):
         file, row = train_dataset.locate(int(prompt.uid.split(":")[1]))
         source = pq.read_table(file).slice(row, 1).to_pylist()[0]  # what the data file holds
-        assert line["prompt"] == source["problem"] and line["media"] == source["images"] + source["videos"]
+        assert line["prompt"] == source["problem"]  # media: the data file's paths, joined to its directory
+        assert line["media"] == [str(Path(file).parent / m) for m in source["images"] + source["videos"]]
+        assert all(Path(m).is_file() for m in line["media"])
         assert line["uid"] == prompt.uid and line["ground_truth"] == source["answer"]
     assert [r["task"] for r in lines] == ["color", "color", "direction", "direction"]
     assert lines[0]["prompt"].startswith("<image>") and lines[2]["prompt"].startswith("<video>")

@@ -242,7 +242,7 @@ def test_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
     with ProgressBar(total=3, initial=0, enabled=False) as bar:
         bar.update({"critic/score/mean": 0.5, "timing_s/step": 1.0})
     assert capsys.readouterr() == ("", "")
-    with ProgressBar(total=3, initial=1, enabled=True) as bar:
+    with ProgressBar(total=3, initial=1, enabled=True, interactive=True) as bar:
         bar.update({"critic/score/mean": 0.5, "timing_s/step": 1.25})
         assert bar._bar.n == 2
         bar.update({"critic/score/mean": float("nan")})
@@ -258,7 +258,7 @@ def test_progress_bar_prints_log_lines_above_itself(capsys: pytest.CaptureFixtur
     handler = logging.StreamHandler(sys.stderr)  # a console handler as Hydra's job logging installs
     root.addHandler(handler)
     try:
-        with ProgressBar(total=3, enabled=True) as bar:
+        with ProgressBar(total=3, enabled=True, interactive=True) as bar:
             bar.update({"critic/score/mean": 0.5})
             logging.getLogger("rollplex_train.test").warning("a log line")
             bar.update({"critic/score/mean": 0.6})
@@ -270,6 +270,15 @@ def test_progress_bar_prints_log_lines_above_itself(capsys: pytest.CaptureFixtur
     segments = [seg for seg in re.split(r"[\r\n]", err) if "a log line" in seg]
     assert segments == ["a log line"]  # on its own line, not glued to the bar's text
     assert "after the bar\n" in err
+
+
+def test_progress_without_a_terminal_is_a_log_line_now_and_then(capsys, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="rollplex_train.tracking.progress"):
+        with ProgressBar(total=40, initial=0, enabled=True, interactive=False) as bar:
+            for step in range(1, 41):
+                bar.update({"critic/score/mean": 0.5, "timing_s/step": float(step)})
+    assert capsys.readouterr().err == ""  # no carriage-return frames
+    assert [r.getMessage() for r in caplog.records] == [f"train {k}/40 score=0.5 step_s={k:.1f}" for k in range(2, 41, 2)]
 
 
 # ---- checkpoints -------------------------------------------------------------------------------

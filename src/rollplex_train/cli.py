@@ -57,6 +57,66 @@ def _run_errors(trainer):
         raise SystemExit(1) from None
 
 
+def follow_output_dir(argv: list[str]) -> list[str]:
+    """``argv`` with ``hydra.run.dir=<dir>`` added when it sets ``trainer.output_dir=<dir>`` and no
+    run dir of its own: Hydra's ``.hydra/`` record and ``cli.log`` then land in the run's output
+    directory, not in the default ``outputs/<project>/<experiment>`` of the working directory
+    (where they would overwrite another run's record). Multirun jobs keep Hydra's sweep dirs."""
+    at = [i for i, a in enumerate(argv) if i > 0 and a.lstrip("+").startswith("trainer.output_dir=")]
+    if not at or any(a.lstrip("+").startswith("hydra.run.dir=") for a in argv[1:]):
+        return list(argv)
+    value = argv[at[-1]].split("=", 1)[1]
+    if value in ("", "null"):
+        return list(argv)
+    return [*argv[: at[-1] + 1], f"hydra.run.dir={value}", *argv[at[-1] + 1 :]]  # beside it: before any --flag
+
+
+def config_error_line(err: BaseException) -> str:
+    """One line for a config Hydra could not compose (a misspelt key, a value of the wrong type, an
+    unknown group option, bad override syntax): Hydra's message without its hint to append the key
+    with ``+`` (the schema refuses unknown keys either way), then OmegaConf's cause, then the
+    options of a missing group entry."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    lines = [ln.strip() for ln in str(err).splitlines()]
+    if isinstance(err, MissingConfigException):
+        lines = lines[:1]  # "In 'config': Could not find 'schedule/bogus'"; the options follow
+    lines = [ln for ln in lines if ln and not ln.startswith("To append to your config")]
+    if isinstance(err.__cause__, OmegaConfBaseException):
+        lines.append(str(err.__cause__).splitlines()[0].strip())
+    text = " ".join(dict.fromkeys(lines))
+    override = getattr(err, "override", None)  # OverrideParseException: the override as typed
+    if override and override not in text:
+        text = f"override {override!r}: {text}"
+    options = getattr(err, "options", None)
+    if options:
+        text += f"; expected one of: {', '.join(options)}"
+    return text
+
+
+def _hydra_main(task, program: str) -> None:
+    """Run ``task`` as a Hydra app on the project's configs. A config Hydra cannot compose ends the
+    program with one line (``config_error_line``) and exit code 2, as the schema's own checks do,
+    instead of Hydra's multi-line report; ``HYDRA_FULL_ERROR=1`` keeps Hydra's full traceback."""
+    import hydra
+    from hydra.errors import CompactHydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rollplex_train.config import register_configs
+
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
+    register_configs()
+    try:
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
+    except (CompactHydraException, OmegaConfBaseException) as err:
+        if full_error:
+            raise
+        sys.stderr.write(f"{program}: error: {config_error_line(err)}\n")
+        raise SystemExit(2) from None
+
+
 def _train(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
@@ -80,12 +140,8 @@ def _train(cfg) -> None:
 
 def train_main() -> None:
     """``rollplex-train +experiment=<name> [key=value ...]``."""
-    import hydra
-
-    from rollplex_train.config import register_configs
-
-    register_configs()
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(_train)()
+    sys.argv = follow_output_dir(sys.argv)
+    _hydra_main(_train, "rollplex-train")
 
 
 PLANS = {
@@ -117,17 +173,10 @@ def plan_main() -> None:
     """
     import functools
 
-    import hydra
-
-    from rollplex_train.config import register_configs
-
     if len(sys.argv) < 2 or sys.argv[1] not in PLANS:
         given = f"unknown subcommand {sys.argv[1]!r}; " if len(sys.argv) > 1 and sys.argv[1] not in ("-h", "--help") else ""
         sys.stderr.write(f"{given}usage: rollplex-plan {{{'|'.join(PLANS)}}} +experiment=<name> [key=value ...]\n")
         raise SystemExit(0 if given == "" and len(sys.argv) > 1 else 2)
     kind = sys.argv.pop(1)
     sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=stdout", "hydra/hydra_logging=none"]
-    register_configs()
-    hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(
-        functools.partial(_plan, kind)
-    )()
+    _hydra_main(functools.partial(_plan, kind), f"rollplex-plan {kind}")

@@ -84,6 +84,7 @@ class Trainer:
         self.resume_state = load_json(Path(self.resume_from) / "trainer_state.json") if self.resume_from else None
         if self.resume_state is not None and "loader" in self.resume_state:  # other data: refused before Ray
             self.loader.check_state(self.resume_state["loader"], cfg.data.resume_on_changed_data)
+        self._check_lr_schedule()
         self.step = 0
         self.schedule = None
         self.tracker: Optional[Tracker] = None
@@ -201,6 +202,24 @@ class Trainer:
         )
         return self.tracker
 
+    def lr_schedule(self) -> dict:
+        """The learning-rate schedule as the optimizer follows it (kept in the checkpoint)."""
+        a = self.cfg.actor
+        return {"lr_scheduler": a.lr_scheduler, "lr_decay_steps": a.lr_decay_steps, "lr": a.lr}
+
+    def _check_lr_schedule(self) -> None:
+        """A resume under another learning-rate schedule than its checkpoint's (with a cosine decay
+        over the run's optimizer steps, raising ``trainer.total_steps`` stretches the decay) is said
+        in one warning: from the resumed step on the learning rate follows the new schedule."""
+        saved, now = (self.resume_state or {}).get("lr_schedule"), self.lr_schedule()
+        if saved is None or saved == now:
+            return
+        changed = ", ".join(f"actor.{k}={now[k]} (checkpoint: {saved.get(k)})" for k in now if saved.get(k) != now[k])
+        hint = (f"; set actor.lr_decay_steps={saved['lr_decay_steps']} to keep the checkpoint's decay"
+                if saved.get("lr_decay_steps") != now["lr_decay_steps"] else "")
+        log.warning("resuming under another learning-rate schedule: %s; the new one applies from step %d on%s",
+                    changed, int(self.resume_state["step"]), hint)
+
     def _already_finished(self) -> bool:
         """True (said in one line) when the checkpoint to resume is at ``trainer.total_steps`` already."""
         done = int((self.resume_state or {}).get("step", 0))
@@ -227,6 +246,7 @@ class Trainer:
             "wandb_run_id": self.tracker.wandb_run_id if self.tracker is not None else None,
             "loader": self.loader.state_dict(),
             "weights_version": self.schedule.weights_version,
+            "lr_schedule": self.lr_schedule(),
             "schedule": self.schedule.state_dict(),
             "python_rng": repr(random.getstate()),
             "numpy_seed_state": int(np.random.get_state()[1][0]),

@@ -345,7 +345,8 @@ class RewardManager:
         num_failed = sum(failed)
         if num_failed:
             summary = (f"reward.function={self.function!r} failed on {num_failed} of {num} samples "
-                       f"(scored 0); first: {'; '.join(first.values())}")
+                       f"(accuracy 0; reward.on_failure decides whether they stay in their group's baseline); "
+                       f"first: {'; '.join(first.values())}")
             if num_failed >= self.max_failed_frac * num:
                 raise RewardFailure(f"{summary} -- stopping: the failed fraction reached "
                                     f"reward.max_failed_frac={self.max_failed_frac:g}")

@@ -68,9 +68,13 @@ def run_rollplex(experiment: str, label: str, steps: int, timed_from: int, out: 
     """One ``rollplex-train`` run; the mean of the timed steps' ``step`` and phase seconds.
 
     Raises:
+        ValueError: ``timed_from`` is not within 1..``steps``.
         RuntimeError: the run failed (its stderr tail in the message).
     """
     from rollplex_train.tracking.loggers import read_metrics_jsonl
+
+    if not 1 <= timed_from <= steps:
+        raise ValueError(f"{experiment} {label}: timed from step {timed_from} of a {steps}-step run: expected 1..{steps}")
 
     cli = Path(sys.executable).parent / "rollplex-train"
     cmd = [str(cli), f"+experiment={experiment}", *SCHEDULES[label], *overrides, f"trainer.total_steps={steps}",
@@ -80,7 +84,8 @@ def run_rollplex(experiment: str, label: str, steps: int, timed_from: int, out: 
         raise RuntimeError(f"{experiment} {label} failed:\n{proc.stderr[-3000:]}")
     rows = [r for r in read_metrics_jsonl(out / "metrics.jsonl") if r["step"] >= timed_from]
     mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)  # noqa: E731
-    result = {"step": mean("timing_s/step"), **{p: mean(k) for p, k in ROLLPLEX_PHASES.items()}}
+    result = {"step": mean("timing_s/step"), **{p: mean(k) for p, k in ROLLPLEX_PHASES.items()},
+              "step_s": [r["timing_s/step"] for r in rows]}
     for key in ("rollplex/planned_gain_s", "rollplex/realised_gain_s", "planner/decode_share"):
         if key in rows[-1]:
             result[key] = mean(key)
@@ -140,13 +145,18 @@ def last_line(results: dict[str, dict[str, list[dict]]]) -> Optional[str]:
 
 
 def run_rounds(workloads: list[str], systems: list[str], rounds: int, out: Path, overrides: list[str], *,
-               trl_steps: int = 2, serial_steps: int = 2, rollplex_steps: int = 4, max_load: float = 2.5,
+               trl_steps: int = 2, steps: int = 5, timed_from: int = 4, full_sequence_steps: int = 2,
+               max_load: float = 2.5,
                max_wait_s: float = 300.0, full_sequence_rounds: Optional[int] = None,
                report=print) -> dict[str, dict[str, list[dict]]]:
     """``rounds`` x workloads x systems, interleaved (a slow drift of the machine hits every system
     alike); each run waits for an idle machine first. ``full_sequence_rounds``: run the ``serial``
     (full sequences) system only in the first this-many rounds (None: all; it is not in the last
-    line and is the slowest). ``report`` gets a line per finished run."""
+    line and is the slowest). ``serial_shared`` and ``rollplex`` both run ``steps`` steps and are
+    timed over the same steps, ``timed_from`` on (after rollplex's calibration steps, so both are
+    compared at the same point of a run's life and over more than one step); the full-sequence
+    ``serial`` runs ``full_sequence_steps`` timed from step 2, TRL ``trl_steps`` from step 2.
+    ``report`` gets a line per finished run."""
     results: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in systems} for w in workloads}
     for rnd in range(rounds):
         for workload in workloads:
@@ -159,8 +169,8 @@ def run_rounds(workloads: list[str], systems: list[str], rounds: int, out: Path,
                 if system == "trl":
                     run = run_trl(workload, trl_steps, 2, where, overrides)
                 else:
-                    steps = rollplex_steps if system == "rollplex" else serial_steps
-                    run = run_rollplex(workload, system, steps, 4 if system == "rollplex" else 2, where, overrides)
+                    n, first = (full_sequence_steps, 2) if system == "serial" else (steps, timed_from)
+                    run = run_rollplex(workload, system, n, first, where, overrides)
                 run.update(load=load, waited_s=waited, wall_s=time.monotonic() - begin, round=rnd + 1)
                 results[workload][system].append(run)
                 report(f"round {rnd + 1} {workload:<12} {system:<14} step {run['step']:7.2f} s  "

@@ -247,7 +247,8 @@ class PromptDataset:
         if prompt_ids.shape[0] > cfg.max_prompt_length:
             raise _Skip("too_long", f"prompt has {prompt_ids.shape[0]} tokens > data.max_prompt_length="
                                     f"{cfg.max_prompt_length}")
-        media = [(item.get("path") or "<bytes>") if isinstance(item, dict) else str(item) for item in images + videos]
+        paths = [(item.get("path") or None) if isinstance(item, dict) else str(item) for item in images + videos]
+        media = ["<bytes>" if p is None else str(resolve_path(p, Path(path).parent)) for p in paths]
         return PromptSample(uid=f"{self.split}:{index}", prompt_ids=prompt_ids, vision=vision,
                             ground_truth=ground_truth, task=str(task), options=list(options), problem=problem,
                             media=media)

@@ -78,8 +78,9 @@ class PromptSample:
         task: data source / task name (metrics are also reported per task).
         options: the multiple-choice options if the task has them (else empty).
         problem: the prompt text as the data file holds it (placeholders included), for dumps.
-        media: the file names of its images and videos as the data file gives them, in order
-            (``<bytes>`` for an image stored inline), for dumps.
+        media: the paths of its images and videos, in order: as the data file gives them, relative
+            ones joined to the data file's directory (what was loaded); ``<bytes>`` for an image
+            stored inline. For dumps.
     """
 
     uid: str

@@ -13,8 +13,8 @@ from rollplex_train.data.types import Response, TrainBatch
 def dump_rollouts(directory: Path, step: int, batch: TrainBatch, responses: list[Response],
                   scores: torch.Tensor) -> Path:
     """Write ``<directory>/<step>.jsonl``: one line per response with the prompt's ``uid``,
-    ``task``, ``prompt`` (its text as the data file holds it), ``media`` (its image/video file names
-    as the data file gives them) and ``ground_truth``, the response ``text``, its ``token_ids``,
+    ``task``, ``prompt`` (its text as the data file holds it), ``media`` (the image/video paths that
+    were loaded: relative ones joined to the data file's directory) and ``ground_truth``, the response ``text``, its ``token_ids``,
     ``finish_reason`` and ``score`` (the (N,) float32 reward of the step), so a dump reads on its
     own. Written to a temporary name and renamed, so a crash never leaves a half file. Returns the
     path."""
