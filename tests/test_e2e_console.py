@@ -33,7 +33,7 @@ def test_ctrl_c_prints_one_line_and_exits_130(embedded_assets, tmp_path):
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 130, stderr[-3000:]
+    assert proc.returncode == 130, f"stdout (the driver's log):\n{stdout[-4000:]}\nstderr:\n{stderr[-3000:]}"
     assert "Traceback" not in stdout + stderr and "Token authentication" not in stderr
     lines = [line for line in stderr.splitlines() if "interrupted" in line]
     assert len(lines) == 1 and re.fullmatch(
