@@ -23,9 +23,16 @@ def test_ctrl_c_prints_one_line_and_exits_130(embedded_assets, tmp_path):
            "trainer.val_before_train=false", "data.rollout_batch_size=4", "rollout.n=4",
            "actor.ppo_mini_batch_size=2", "trainer.save_freq=1", "trainer.export_hf=false"]
     env = dict(os.environ, WANDB_MODE="offline")
-    # its own session, as a terminal's process group: SIGINT reaches the driver and Ray's processes
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    # its own session, as a terminal's process group: SIGINT reaches the driver and Ray's processes.
+    # A terminal's foreground job has SIGINT at its default; under a shell's `cmd &` (no job control)
+    # pytest inherits SIGINT ignored, and an ignored signal stays ignored across exec: the run would
+    # finish with exit 0. Python's own handler is reset to the default in the child at exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     pointer = out / "checkpoints" / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 600
     while not pointer.exists() and proc.poll() is None and time.monotonic() < deadline:
