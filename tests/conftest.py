@@ -9,6 +9,8 @@ which answers in the ``\\boxed{...}`` format.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -197,6 +199,10 @@ def run_cli():
         cmd = [str(CLI), f"+experiment={experiment}", f"hydra.run.dir={out_dir}", f"trainer.output_dir={out_dir}",
                "trainer.progress_bar=false", *overrides]
         full_env = dict(os.environ, WANDB_MODE="offline", **(env or {}))
-        return subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode < 0:  # killed by a signal: the driver could not remove its short Ray dir
+            for short in re.findall(r"Ray temp dir (/tmp/rp-ray-\S+)", proc.stdout + proc.stderr):
+                shutil.rmtree(short, ignore_errors=True)
+        return proc
 
     return run

@@ -146,6 +146,7 @@ def test_cli_from_another_directory_names_the_paths_tried(tmp_path):
     ("schedule=bogus", "In 'config': Could not find 'schedule/bogus'; expected one of: disaggregated, rollplex, serial"),
     ("actor.lr=[1", "override 'actor.lr=[1': no viable alternative at input '[1' See "
                     "https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details"),
+    ("=3", "Config group override must be a string or a list. Got int"),
 ])
 def test_config_hydra_cannot_compose_fails_in_one_line(tmp_path, override, line):
     proc = subprocess.run([str(CLI), "+experiment=tiny_cpu", override, "--cfg", "job"], cwd=tmp_path,
@@ -185,6 +186,7 @@ class _Trainer:
 def test_interrupt_and_reward_failure_end_in_one_line(capsys):
     from rollplex_train.algo.rewards import RewardFailure
     from rollplex_train.cli import _run_errors
+    from rollplex_train.data.loader import NoBatchError
 
     with pytest.raises(SystemExit) as end:
         with _run_errors(_Trainer(7, Path("/runs/x/checkpoints/global_step_5"))):
@@ -201,6 +203,70 @@ def test_interrupt_and_reward_failure_end_in_one_line(capsys):
             raise RewardFailure("reward.function='f' failed on 8 of 8 samples")
     assert end.value.code == 1
     assert capsys.readouterr().err == "rollplex-train: error: reward.function='f' failed on 8 of 8 samples\n"
+    with pytest.raises(SystemExit) as end:
+        with _run_errors(_Trainer(3, None)):
+            raise NoBatchError("data.train_files: epoch 0 of split 'train' gave no batch of 4")
+    assert end.value.code == 2
+    assert capsys.readouterr().err == "rollplex-train: error: data.train_files: epoch 0 of split 'train' gave no batch of 4\n"
+
+
+def test_media_and_length_checked_up_front(tmp_path, tiny_tokenizer, caplog):
+    """An image whose header PIL cannot read and a prompt longer than ``data.max_prompt_length``
+    (text plus the images' tokens from their header sizes) are found by the precheck, before any
+    worker; a video counts as at least one token there, so a row within the limit is kept."""
+    good = str(EMBEDDED_TASKS / "media" / "color" / "train" / "000000.png")
+    (tmp_path / "garbage.png").write_bytes(b"not an image at all")
+    rows = [
+        {"problem": "<image>Colour?", "answer": "red", "images": [good]},
+        {"problem": "<image>Colour?", "answer": "red", "images": [str(tmp_path / "garbage.png")]},
+        {"problem": "<image>Colour?" + " please" * 40, "answer": "red", "images": [good]},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "rows.parquet")
+    files = str(tmp_path / "rows.parquet")
+    cfg = DataConfig(train_files=files, val_files="", max_prompt_length=48)
+    dataset = PromptDataset(cfg, tiny_tokenizer, files, "train")
+    with caplog.at_level(logging.WARNING, logger="rollplex_train.data.dataset"):
+        skipped = dataset.precheck()
+    assert dict(skipped) == {"corrupt_media": 1, "too_long": 1}
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "garbage.png" in warning and "data.max_prompt_length=48" in warning
+    sample = dataset.get(0)
+    assert sample is not None and sample.prompt_ids.shape[0] <= 48
+    # the precheck's length is the loaded prompt's length for images (sizes from headers)
+    tight = PromptDataset(DataConfig(train_files=files, val_files="", max_prompt_length=sample.prompt_ids.shape[0]),
+                          tiny_tokenizer, files, "train")
+    assert tight.precheck()["too_long"] == 1 and tight.get(0) is not None
+    shorter = PromptDataset(DataConfig(train_files=files, val_files="", max_prompt_length=sample.prompt_ids.shape[0] - 1),
+                            tiny_tokenizer, files, "train")
+    assert shorter.precheck()["too_long"] == 2
+
+
+def test_jsonl_with_a_bad_line_passes_the_precheck(tmp_path, tiny_tokenizer):
+    good = str(EMBEDDED_TASKS / "media" / "color" / "train" / "000000.png")
+    row = json.dumps({"problem": "<image>Colour?", "answer": "red", "images": [good]})
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join([row, "{broken", row]) + "\n")
+    dataset = PromptDataset(DataConfig(train_files=str(path), val_files=""), tiny_tokenizer, str(path), "train")
+    assert dict(dataset.precheck()) == {"bad_schema": 1} and dataset.num_bad == 1
+    (tmp_path / "none.jsonl").write_text('{"problem": "q", "answer": \n')
+    with pytest.raises(ValueError, match=r"^no row of .*none.jsonl is a JSON object \(1 bad\); first: .*none.jsonl "
+                                         r"line 1 is not valid JSON"):
+        PromptDataset(DataConfig(train_files=str(tmp_path / "none.jsonl"), val_files=""), tiny_tokenizer,
+                      str(tmp_path / "none.jsonl"), "train")
+
+
+def test_reward_file_that_fails_to_import_is_one_line(tmp_path):
+    from rollplex_train.algo.rewards import load_reward_function
+
+    (tmp_path / "imports.py").write_text("import os\nimport no_such_module_here\n")
+    (tmp_path / "syntax.py").write_text("def fn(x:\n    pass\n")
+    with pytest.raises(ValueError) as err:
+        load_reward_function(f"{tmp_path / 'imports.py'}:fn")
+    assert str(err.value) == (f"reward.function='{tmp_path / 'imports.py'}:fn': importing '{tmp_path / 'imports.py'}' "
+                              f"failed at {tmp_path / 'imports.py'}:2: ModuleNotFoundError: No module named "
+                              "'no_such_module_here'")
+    with pytest.raises(ValueError, match=rf"failed at {tmp_path / 'syntax.py'}:1: SyntaxError: "):
+        load_reward_function(f"{tmp_path / 'syntax.py'}:fn")
 
 
 def test_rollout_dump_holds_prompt_text_and_media(tmp_path, make_prompts, train_dataset):

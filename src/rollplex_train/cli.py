@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -41,8 +42,11 @@ def _user_errors(program: str):
 def _run_errors(trainer):
     """Around ``Trainer.fit``: Ctrl-C (SIGINT) ends the run with one line naming the last
     checkpoint and exit code 130 (128 + SIGINT, the shell's convention); a reward function that
-    fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1."""
+    fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1;
+    data that stops yielding full batches (rows found bad only when loaded) with one line and exit
+    code 2."""
     from rollplex_train.algo.rewards import RewardFailure
+    from rollplex_train.data.loader import NoBatchError
 
     try:
         yield
@@ -55,6 +59,9 @@ def _run_errors(trainer):
     except RewardFailure as err:
         sys.stderr.write(f"rollplex-train: error: {err}\n")
         raise SystemExit(1) from None
+    except NoBatchError as err:
+        sys.stderr.write(f"rollplex-train: error: {err}\n")
+        raise SystemExit(2) from None
 
 
 def follow_output_dir(argv: list[str]) -> list[str]:
@@ -108,10 +115,19 @@ def _hydra_main(task, program: str) -> None:
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
     register_configs()
+    started = []
+
+    @functools.wraps(task)
+    def run(cfg) -> None:
+        started.append(True)
+        task(cfg)
+
     try:
-        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
-    except (CompactHydraException, OmegaConfBaseException) as err:
-        if full_error:
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run)()
+    except (CompactHydraException, OmegaConfBaseException, ValueError) as err:
+        # a ValueError before the task started is Hydra's own (``=3``: "Config group override must
+        # be a string or a list"); one raised by the task keeps its traceback
+        if full_error or (isinstance(err, ValueError) and started):
             raise
         sys.stderr.write(f"{program}: error: {config_error_line(err)}\n")
         raise SystemExit(2) from None

@@ -18,6 +18,7 @@ import math
 import numbers
 import re
 import threading
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -203,8 +204,9 @@ def load_reward_function(spec: str) -> RewardFn:
 
     Raises:
         FileNotFoundError: the file of ``path:fn`` does not exist (names the file).
-        ValueError: an unknown name, a spec without ``:fn``, or a file without a callable ``fn``
-            (names the file and the function).
+        ValueError: an unknown name, a spec without ``:fn``, a file that fails to import (names
+            the file, the line and the error) or a file without a callable ``fn`` (names the file
+            and the function).
     """
     if spec in REWARDS:
         return REWARDS.get(spec)
@@ -221,11 +223,25 @@ def load_reward_function(spec: str) -> RewardFn:
     if module_spec is None or module_spec.loader is None:
         raise ValueError(f"reward.function={spec!r}: cannot import {str(path)!r} as a Python file")
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001 - the user's file may raise anything while it imports
+        raise ValueError(f"reward.function={spec!r}: importing {str(path)!r} failed at {_where(err, path)}: "
+                         f"{type(err).__name__}: {err}") from err
     fn = getattr(module, fn_name, None)
     if not callable(fn):
         raise ValueError(f"reward.function={spec!r}: file {str(path)!r} has no callable {fn_name!r}")
     return fn
+
+
+def _where(err: BaseException, path: Path) -> str:
+    """``file:line`` of the innermost frame of ``err`` inside the reward file ``path`` (a syntax
+    error's own position; the file itself when no frame is in it)."""
+    if isinstance(err, SyntaxError) and err.filename:
+        return f"{err.filename}:{err.lineno}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == path.resolve()
+              or Path(f.filename) == path]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else str(path)
 
 
 def _mean(values: torch.Tensor) -> float:

@@ -7,7 +7,9 @@ Column names come from :class:`~rollplex_train.config.DataConfig`.
 
 File-level problems (missing file, unknown extension, empty table, missing prompt/answer column)
 raise at construction. Row-level problems make :meth:`PromptDataset.get` return ``None``; each bad
-row is counted once by reason in ``PromptDataset.skipped`` and logged once with its file and row.
+row is counted once by reason in ``PromptDataset.skipped``; :meth:`PromptDataset.precheck` sums up
+its finds in one warning, and rows found bad while loading are logged with their file and row for
+the first of each reason only.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from rollplex_train.config import DataConfig
 from rollplex_train.data.jsonl import BadLine, JsonRows
 from rollplex_train.data.prompts import build_messages, render_prompt_ids
 from rollplex_train.data.types import PromptSample, VisionInputs
-from rollplex_train.data.vision import load_image, load_video, patchify_images, patchify_video, resolve_path
+from rollplex_train.data.vision import (image_grid, image_size, load_image, load_video, patchify_images, patchify_video,
+                                        resolve_path)
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +181,7 @@ class PromptDataset:
         self.skipped: collections.Counter = collections.Counter()
         self.coerced: collections.Counter = collections.Counter()
         self._bad: dict[int, str] = {}
+        self._prechecked: collections.Counter = collections.Counter()  # skips found by precheck, by reason
         self._coerced_rows: set[int] = set()
 
     def __len__(self) -> int:
@@ -219,7 +223,12 @@ class PromptDataset:
         except _Skip as skip:
             self._bad[index] = skip.reason
             self.skipped[skip.reason] += 1
-            logger.warning("skipping %s row %d (%s): %s", path, row_index, skip.reason, skip)
+            if self.skipped[skip.reason] == 1 + self._prechecked.get(skip.reason, 0):  # the first of its reason
+                logger.warning("skipping %s row %d (%s): %s; further %s rows of split %r are counted "
+                               "(data/skipped_total), not logged", path, row_index, skip.reason, skip, skip.reason,
+                               self.split)
+            else:
+                logger.debug("skipping %s row %d (%s): %s", path, row_index, skip.reason, skip)
             return None
 
     def _build(self, index: int, row: dict[str, Any], path: str, row_index: int) -> PromptSample:
@@ -304,23 +313,30 @@ class PromptDataset:
         return out
 
     def precheck(self) -> collections.Counter:
-        """Check every row without decoding media (schema, placeholder counts, media files exist),
-        before training starts; bad rows are counted in :attr:`skipped` and skipped by :meth:`get`
-        without a retry. One warning sums them up (counts by reason, the first row of each).
+        """Check every row without decoding media, before training starts: schema, placeholder
+        counts, media files exist, image headers readable, and the prompt's length in tokens
+        (images' tokens from their header sizes, each video counted as one token: a lower bound)
+        against ``data.max_prompt_length``. Bad rows are counted in :attr:`skipped` and skipped by
+        :meth:`get` without a retry. One warning sums them up (counts by reason, the first row of each).
 
         Returns:
-            :attr:`skipped` (bad rows by reason; corrupt media and too-long prompts are only found
-            when a row is loaded).
+            :attr:`skipped` (bad rows by reason; media whose body is corrupt behind a good header,
+            and prompts too long only by their videos' tokens, are found when a row is loaded).
         """
         first: dict[str, str] = {}
         for part, (path, table) in enumerate(zip(self._paths, self._tables)):
-            for row_index, row in enumerate(table):
+            for row_index in range(len(table)):
                 try:
+                    try:
+                        row = table[row_index]
+                    except BadLine as err:
+                        raise _Skip("bad_schema", str(err)) from err
                     self._precheck_row(row, path, row_index)
                 except _Skip as skip:
                     self._bad[int(self._offsets[part]) + row_index] = skip.reason
                     self.skipped[skip.reason] += 1
                     first.setdefault(skip.reason, f"{path} row {row_index}: {skip}")
+        self._prechecked = collections.Counter(self.skipped)
         if first:
             logger.warning("split %r: %d of %d rows skipped (%s); first of each: %s", self.split, self.num_bad, len(self),
                            ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())), " | ".join(first.values()))
@@ -335,8 +351,9 @@ class PromptDataset:
             raise _Skip("bad_schema", f"column {cfg.answer_key!r} must be a string, got {type(answer).__name__}")
         images, videos = _media_list(row, cfg.image_key), _media_list(row, cfg.video_key)
         try:
-            build_messages(problem, num_images=len(images), num_videos=len(videos), system_prompt=cfg.system_prompt,
-                           format_prompt=self.format_prompt, name=f"{path} row {row_index}")
+            messages = build_messages(problem, num_images=len(images), num_videos=len(videos),
+                                      system_prompt=cfg.system_prompt, format_prompt=self.format_prompt,
+                                      name=f"{path} row {row_index}")
         except ValueError as err:
             raise _Skip("placeholder_mismatch", str(err)) from err
         for item in images + videos:
@@ -347,6 +364,21 @@ class PromptDataset:
                 raise _Skip("bad_schema", f"media item {item!r} has no path")
             if not resolve_path(file, Path(path).parent).is_file():
                 raise _Skip("missing_media", f"media file not found: {resolve_path(file, Path(path).parent)}")
+        grids = []
+        for item in images:  # headers only: an unreadable one is corrupt; the size gives the tokens
+            try:
+                grids.append(image_grid(*image_size(item, Path(path).parent), min_pixels=cfg.min_pixels,
+                                        max_pixels=cfg.max_pixels, patch_size=self.patch_size,
+                                        merge_size=self.merge_size))
+            except ValueError as err:
+                raise _Skip("corrupt_media", str(err)) from err
+        one_token = (1, self.merge_size, self.merge_size)  # a video has at least one: a lower bound
+        length = render_prompt_ids(self.tokenizer, messages, torch.tensor(grids) if grids else None,
+                                   torch.tensor([one_token] * len(videos)) if videos else None,
+                                   merge_size=self.merge_size).shape[0]
+        if length > cfg.max_prompt_length:
+            raise _Skip("too_long", f"prompt has {'at least ' if videos else ''}{length} tokens > "
+                                    f"data.max_prompt_length={cfg.max_prompt_length}")
 
     def iter_all(self, batch_size: int, max_samples: int = -1) -> Iterator[list[PromptSample]]:
         """One pass in row order, valid samples in lists of ``batch_size`` (the last may be shorter).

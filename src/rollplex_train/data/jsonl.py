@@ -32,7 +32,7 @@ class JsonRows:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not UTF-8 text, or holds no rows.
+        ValueError: the file is not UTF-8 text, holds no rows, or no row is a JSON object.
     """
 
     def __init__(self, path: Union[str, Path]):
@@ -50,7 +50,7 @@ class JsonRows:
                 values = json.loads(stripped)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{self.path}: cannot read as a JSON array of rows: {err}") from err
-            self._rows = [self._row(value, f"element {i}") for i, value in enumerate(values)]
+            self._rows = [self._row(value, f"{self.path} element {i}") for i, value in enumerate(values)]
         else:
             for number, line in enumerate(text.splitlines(), start=1):
                 if not line.strip():
@@ -58,11 +58,13 @@ class JsonRows:
                 try:
                     value = json.loads(line)
                 except json.JSONDecodeError as err:
-                    self._rows.append(BadLine(f"line {number} is not valid JSON: {err}"))
+                    self._rows.append(BadLine(f"{self.path} line {number} is not valid JSON: {err}"))
                     continue
-                self._rows.append(self._row(value, f"line {number}"))
+                self._rows.append(self._row(value, f"{self.path} line {number}"))
         if not self._rows:
             raise ValueError(f"{self.path}: the dataset is empty (0 rows)")
+        if not any(isinstance(row, dict) for row in self._rows):
+            raise ValueError(f"no row of {self.path} is a JSON object ({len(self._rows)} bad); first: {self._rows[0]}")
         names: dict[str, None] = {}
         for row in self._rows:
             if isinstance(row, dict):

@@ -43,6 +43,11 @@ def data_fingerprint(paths: list[str], num_rows: int) -> str:
     return digest.hexdigest()
 
 
+class NoBatchError(ValueError):
+    """An epoch of the data gave no full batch: too few rows survived loading (the entry point
+    reports it in one line with the skip counts)."""
+
+
 class PromptLoader:
     """Endless, resumable batches of valid prompts, epoch after epoch.
 
@@ -81,8 +86,8 @@ class PromptLoader:
 
     def _next_epoch(self) -> None:
         if self._batches_in_epoch == 0:
-            raise ValueError(
-                f"epoch {self.epoch} of split {self.dataset.split!r} gave no batch of {self.batch_size}: only "
+            raise NoBatchError(
+                f"data.train_files: epoch {self.epoch} of split {self.dataset.split!r} gave no batch of {self.batch_size}: only "
                 f"{len(self.dataset) - self.dataset.num_bad} of {len(self.dataset)} rows are valid "
                 f"(skipped: {dict(self.dataset.skipped)})"
             )

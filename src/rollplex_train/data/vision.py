@@ -119,6 +119,24 @@ def resolve_path(path: Union[str, os.PathLike], base_dir: Optional[Union[str, os
     return Path(base_dir) / p
 
 
+def _image_source(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]]) -> tuple[Any, str]:
+    """``(path or BytesIO, display name)`` of an image item (see :func:`load_image`)."""
+    if isinstance(item, dict):
+        if item.get("bytes") is not None:
+            return io.BytesIO(item["bytes"]), f"<bytes of {item.get('path') or 'image'}>"
+        if item.get("path"):
+            source = resolve_path(item["path"], base_dir)
+        else:
+            raise ValueError(f"image item {item!r}: expected a 'bytes' or 'path' entry")
+    elif isinstance(item, (str, os.PathLike)):
+        source = resolve_path(item, base_dir)
+    else:
+        raise ValueError(f"image item of type {type(item).__name__}: expected a path, a dict or a PIL image")
+    if not source.is_file():
+        raise FileNotFoundError(f"image file not found: {source}")
+    return source, str(source)
+
+
 def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = None) -> Image.Image:
     """Open one image as a decoded 8-bit RGB ``PIL.Image``, oriented as displayed.
 
@@ -137,28 +155,45 @@ def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = No
     """
     if isinstance(item, Image.Image):
         return to_rgb(ImageOps.exif_transpose(item))
-    source: Any
-    if isinstance(item, dict):
-        if item.get("bytes") is not None:
-            source, name = io.BytesIO(item["bytes"]), f"<bytes of {item.get('path') or 'image'}>"
-        elif item.get("path"):
-            source = resolve_path(item["path"], base_dir)
-            name = str(source)
-        else:
-            raise ValueError(f"image item {item!r}: expected a 'bytes' or 'path' entry")
-    elif isinstance(item, (str, os.PathLike)):
-        source = resolve_path(item, base_dir)
-        name = str(source)
-    else:
-        raise ValueError(f"image item of type {type(item).__name__}: expected a path, a dict or a PIL image")
-    if isinstance(source, Path) and not source.is_file():
-        raise FileNotFoundError(f"image file not found: {source}")
+    source, name = _image_source(item, base_dir)
     try:
         with Image.open(source) as img:
             img.load()
             return to_rgb(ImageOps.exif_transpose(img))
     except (UnidentifiedImageError, OSError, SyntaxError) as err:  # PIL raises all three on bad data
         raise ValueError(f"corrupt image {name}: {err}") from err
+
+
+def image_size(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = None) -> tuple[int, int]:
+    """``(height, width)`` in pixels of an image item from its header, without decoding the pixels
+    (PIL opens lazily); EXIF rotation is ignored (it swaps the sides, which leaves the token count
+    of :func:`image_grid` unchanged). Same items as :func:`load_image`.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: the header is not an image PIL can identify (a truncated body is only found
+            when :func:`load_image` decodes it).
+    """
+    if isinstance(item, Image.Image):
+        return item.height, item.width
+    source, name = _image_source(item, base_dir)
+    try:
+        with Image.open(source) as img:
+            return img.height, img.width
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        raise ValueError(f"corrupt image {name}: {err}") from err
+
+
+def image_grid(height: int, width: int, *, min_pixels: int, max_pixels: int, patch_size: int = 14,
+               merge_size: int = 2) -> tuple[int, int, int]:
+    """``(1, h, w)`` patch grid of an image of ``height x width`` pixels, as :func:`patchify_images`
+    makes it (``smart_resize`` with factor ``patch_size * merge_size``).
+
+    Raises:
+        ValueError: a side is not positive or the aspect ratio exceeds 200.
+    """
+    h, w = smart_resize(height, width, factor=patch_size * merge_size, min_pixels=min_pixels, max_pixels=max_pixels)
+    return 1, h // patch_size, w // patch_size
 
 
 def _normalize(frames_thwc: np.ndarray) -> np.ndarray:
