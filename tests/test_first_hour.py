@@ -245,14 +245,44 @@ def test_jsonl_with_a_bad_line_passes_the_precheck(tmp_path, tiny_tokenizer):
     good = str(EMBEDDED_TASKS / "media" / "color" / "train" / "000000.png")
     row = json.dumps({"problem": "<image>Colour?", "answer": "red", "images": [good]})
     path = tmp_path / "rows.jsonl"
-    path.write_text("\n".join([row, "{broken", row]) + "\n")
+    path.write_bytes("\n".join([row, "{broken", row]).encode() + b'\n{"problem": "\xe9\xff"}\n')  # a latin-1 line
     dataset = PromptDataset(DataConfig(train_files=str(path), val_files=""), tiny_tokenizer, str(path), "train")
-    assert dict(dataset.precheck()) == {"bad_schema": 1} and dataset.num_bad == 1
+    assert dict(dataset.precheck()) == {"bad_schema": 2} and dataset.num_bad == 2
+    with pytest.raises(ValueError, match=r"line 4 is not UTF-8 text"):
+        dataset._tables[0][3]
     (tmp_path / "none.jsonl").write_text('{"problem": "q", "answer": \n')
     with pytest.raises(ValueError, match=r"^no row of .*none.jsonl is a JSON object \(1 bad\); first: .*none.jsonl "
                                          r"line 1 is not valid JSON"):
         PromptDataset(DataConfig(train_files=str(tmp_path / "none.jsonl"), val_files=""), tiny_tokenizer,
                       str(tmp_path / "none.jsonl"), "train")
+
+
+def test_unreadable_files_and_config_values_are_one_line(tmp_path, tiny_tokenizer, capsys):
+    """A file that is not parquet, image bytes that are not an image, a reward spec naming a
+    directory and OmegaConf's multi-line messages: one line each."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError
+
+    from rollplex_train.algo.rewards import load_reward_function
+    from rollplex_train.cli import _user_errors
+    from rollplex_train.data.vision import image_size
+
+    (tmp_path / "fake.parquet").write_bytes(b"PAR1garbagePAR1")
+    with pytest.raises(ValueError, match=r"fake.parquet: cannot read as parquet: ArrowInvalid"):
+        PromptDataset(DataConfig(train_files=str(tmp_path / "fake.parquet"), val_files=""), tiny_tokenizer,
+                      str(tmp_path / "fake.parquet"), "train")
+    with pytest.raises(ValueError) as err:
+        image_size({"bytes": b"garbage", "path": "x.png"})
+    assert str(err.value) == "corrupt image <bytes of x.png>: cannot identify image file <bytes of x.png>"
+    with pytest.raises(ValueError, match=r"is a directory; expected a Python file"):
+        load_reward_function(f"{tmp_path}:fn")
+    with pytest.raises(SystemExit) as end:
+        with _user_errors("rollplex-train"):
+            OmegaConf.merge(OmegaConf.structured(DataConfig), {"foo": 1})
+    assert end.value.code == 2 and isinstance(end.value.__cause__, ConfigKeyError)
+    err_text = capsys.readouterr().err
+    assert err_text.startswith("rollplex-train: error: Key 'foo' not in 'DataConfig'; full_key: foo")
+    assert err_text.count("\n") == 1
 
 
 def test_reward_file_that_fails_to_import_is_one_line(tmp_path):

@@ -34,7 +34,8 @@ def _user_errors(program: str):
     try:
         yield
     except (ValueError, FileNotFoundError, NotImplementedError, OmegaConfBaseException) as err:
-        sys.stderr.write(f"{program}: error: {err}\n")
+        text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())  # OmegaConf adds full_key lines
+        sys.stderr.write(f"{program}: error: {text}\n")
         raise SystemExit(2) from err
 
 

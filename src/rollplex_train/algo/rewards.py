@@ -216,6 +216,8 @@ def load_reward_function(spec: str) -> RewardFn:
     path = Path(path_str).expanduser()
     if not fn_name or not path_str:
         raise ValueError(f"reward.function={spec!r}: expected 'path/to/file.py:fn'")
+    if path.is_dir():
+        raise ValueError(f"reward.function={spec!r}: {str(path)!r} is a directory; expected a Python file")
     if not path.is_file():
         raise FileNotFoundError(f"reward.function={spec!r}: reward file {str(path)!r} not found")
     module_name = f"rollplex_user_reward_{abs(hash(str(path.resolve())))}"

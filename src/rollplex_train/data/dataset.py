@@ -57,12 +57,17 @@ def _no_image_decoding(ds: datasets.Dataset) -> datasets.Dataset:
     return ds
 
 
-def _obviously_empty(path: str) -> bool:
-    """True for a parquet file whose footer says 0 rows."""
+def _parquet_rows(path: str) -> int:
+    """Rows of a parquet file from its footer (pyarrow), before ``datasets`` reads it: a file that
+    is not parquet fails here in one line instead of ``datasets`` logging the error twice first.
+
+    Raises:
+        ValueError: the footer cannot be read (names the file and pyarrow's error).
+    """
     try:
-        return pq.ParquetFile(path).metadata.num_rows == 0
-    except Exception:  # not parquet at all: let the reader report it
-        return False
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception as err:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... on bad files
+        raise ValueError(f"{path}: cannot read as parquet: {type(err).__name__}: {err}") from err
 
 
 def read_file(path: str, cache_dir: Optional[str] = None) -> Table:
@@ -84,7 +89,7 @@ def read_file(path: str, cache_dir: Optional[str] = None) -> Table:
         raise FileNotFoundError(f"data file not found: {path}")
     if suffix != ".parquet":
         return JsonRows(path)
-    if _obviously_empty(path):  # datasets fails obscurely on these; say what is wrong
+    if _parquet_rows(path) == 0:  # datasets fails obscurely on these; say what is wrong
         raise ValueError(f"{path}: the dataset is empty (0 rows)")
     try:
         with tempfile.TemporaryDirectory(prefix="rollplex-datasets-") as tmp:

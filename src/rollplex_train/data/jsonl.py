@@ -32,31 +32,31 @@ class JsonRows:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file is not UTF-8 text, holds no rows, or no row is a JSON object.
+        ValueError: a JSON-array file is not UTF-8 JSON, the file holds no rows, or no row is a
+            JSON object (a line that is not UTF-8 is a bad row, like one that is not JSON).
     """
 
     def __init__(self, path: Union[str, Path]):
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"data file not found: {self.path}")
-        try:
-            text = self.path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ValueError(f"{self.path}: cannot read as JSON lines: not UTF-8 text ({err})") from err
+        data = self.path.read_bytes()
         self._rows: list[Union[dict, BadLine]] = []
-        stripped = text.strip()
-        if stripped.startswith("["):  # a .json file holding one array of rows
+        if data.lstrip().startswith(b"["):  # a .json file holding one array of rows
             try:
-                values = json.loads(stripped)
-            except json.JSONDecodeError as err:
+                values = json.loads(data.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
                 raise ValueError(f"{self.path}: cannot read as a JSON array of rows: {err}") from err
             self._rows = [self._row(value, f"{self.path} element {i}") for i, value in enumerate(values)]
         else:
-            for number, line in enumerate(text.splitlines(), start=1):
-                if not line.strip():
+            for number, raw in enumerate(data.splitlines(), start=1):
+                if not raw.strip():
                     continue
                 try:
-                    value = json.loads(line)
+                    value = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as err:
+                    self._rows.append(BadLine(f"{self.path} line {number} is not UTF-8 text: {err}"))
+                    continue
                 except json.JSONDecodeError as err:
                     self._rows.append(BadLine(f"{self.path} line {number} is not valid JSON: {err}"))
                     continue

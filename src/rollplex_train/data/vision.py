@@ -161,7 +161,7 @@ def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = No
             img.load()
             return to_rgb(ImageOps.exif_transpose(img))
     except (UnidentifiedImageError, OSError, SyntaxError) as err:  # PIL raises all three on bad data
-        raise ValueError(f"corrupt image {name}: {err}") from err
+        raise ValueError(f"corrupt image {name}: {str(err).replace(repr(source), name)}") from err
 
 
 def image_size(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = None) -> tuple[int, int]:
@@ -181,7 +181,7 @@ def image_size(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = No
         with Image.open(source) as img:
             return img.height, img.width
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
-        raise ValueError(f"corrupt image {name}: {err}") from err
+        raise ValueError(f"corrupt image {name}: {str(err).replace(repr(source), name)}") from err
 
 
 def image_grid(height: int, width: int, *, min_pixels: int, max_pixels: int, patch_size: int = 14,
