@@ -241,8 +241,7 @@ def _where(err: BaseException, path: Path) -> str:
     error's own position; the file itself when no frame is in it)."""
     if isinstance(err, SyntaxError) and err.filename:
         return f"{err.filename}:{err.lineno}"
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename) == path.resolve()
-              or Path(f.filename) == path]
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == path.resolve()]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else str(path)
 
 

@@ -186,7 +186,7 @@ class PromptDataset:
         self.skipped: collections.Counter = collections.Counter()
         self.coerced: collections.Counter = collections.Counter()
         self._bad: dict[int, str] = {}
-        self._prechecked: collections.Counter = collections.Counter()  # skips found by precheck, by reason
+        self._logged_reasons: set[str] = set()  # reasons whose first row found bad while loading was logged
         self._coerced_rows: set[int] = set()
 
     def __len__(self) -> int:
@@ -220,21 +220,29 @@ class PromptDataset:
         part, row_index = self._locate(index)
         path = self._paths[part]
         try:
-            try:
-                row = self._tables[part][row_index]
-            except BadLine as err:
-                raise _Skip("bad_schema", str(err)) from err
-            return self._build(index, row, path, row_index)
+            return self._build(index, self._row(part, row_index), path, row_index)
         except _Skip as skip:
-            self._bad[index] = skip.reason
-            self.skipped[skip.reason] += 1
-            if self.skipped[skip.reason] == 1 + self._prechecked.get(skip.reason, 0):  # the first of its reason
+            self._mark_bad(index, skip.reason)
+            if skip.reason not in self._logged_reasons:
+                self._logged_reasons.add(skip.reason)
                 logger.warning("skipping %s row %d (%s): %s; further %s rows of split %r are counted "
                                "(data/skipped_total), not logged", path, row_index, skip.reason, skip, skip.reason,
                                self.split)
             else:
                 logger.debug("skipping %s row %d (%s): %s", path, row_index, skip.reason, skip)
             return None
+
+    def _row(self, part: int, row_index: int) -> dict[str, Any]:
+        """Row ``row_index`` of file ``part``; a line that is not a JSON object is ``bad_schema``."""
+        try:
+            return self._tables[part][row_index]
+        except BadLine as err:
+            raise _Skip("bad_schema", str(err)) from err
+
+    def _mark_bad(self, index: int, reason: str) -> None:
+        """Global row ``index`` is bad for ``reason``: counted once, skipped from now on."""
+        self._bad[index] = reason
+        self.skipped[reason] += 1
 
     def _build(self, index: int, row: dict[str, Any], path: str, row_index: int) -> PromptSample:
         cfg = self.cfg
@@ -332,16 +340,10 @@ class PromptDataset:
         for part, (path, table) in enumerate(zip(self._paths, self._tables)):
             for row_index in range(len(table)):
                 try:
-                    try:
-                        row = table[row_index]
-                    except BadLine as err:
-                        raise _Skip("bad_schema", str(err)) from err
-                    self._precheck_row(row, path, row_index)
+                    self._precheck_row(self._row(part, row_index), path, row_index)
                 except _Skip as skip:
-                    self._bad[int(self._offsets[part]) + row_index] = skip.reason
-                    self.skipped[skip.reason] += 1
+                    self._mark_bad(int(self._offsets[part]) + row_index, skip.reason)
                     first.setdefault(skip.reason, f"{path} row {row_index}: {skip}")
-        self._prechecked = collections.Counter(self.skipped)
         if first:
             logger.warning("split %r: %d of %d rows skipped (%s); first of each: %s", self.split, self.num_bad, len(self),
                            ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())), " | ".join(first.values()))

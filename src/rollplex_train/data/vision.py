@@ -25,11 +25,12 @@ layout is that of ``Qwen2VLVideoProcessor``; a static video therefore gives the 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import numpy as np
 import torch
@@ -137,6 +138,18 @@ def _image_source(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]]) 
     return source, str(source)
 
 
+@contextlib.contextmanager
+def _open_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]]) -> Iterator[Image.Image]:
+    """The item opened with PIL (lazily); PIL's errors on bad data, while opening or while the
+    body reads the pixels, become ``ValueError("corrupt image <name>: ...")``."""
+    source, name = _image_source(item, base_dir)
+    try:
+        with Image.open(source) as img:
+            yield img
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:  # PIL raises all three on bad data
+        raise ValueError(f"corrupt image {name}: {str(err).replace(repr(source), name)}") from err
+
+
 def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = None) -> Image.Image:
     """Open one image as a decoded 8-bit RGB ``PIL.Image``, oriented as displayed.
 
@@ -155,13 +168,9 @@ def load_image(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = No
     """
     if isinstance(item, Image.Image):
         return to_rgb(ImageOps.exif_transpose(item))
-    source, name = _image_source(item, base_dir)
-    try:
-        with Image.open(source) as img:
-            img.load()
-            return to_rgb(ImageOps.exif_transpose(img))
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:  # PIL raises all three on bad data
-        raise ValueError(f"corrupt image {name}: {str(err).replace(repr(source), name)}") from err
+    with _open_image(item, base_dir) as img:
+        img.load()
+        return to_rgb(ImageOps.exif_transpose(img))
 
 
 def image_size(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = None) -> tuple[int, int]:
@@ -176,12 +185,8 @@ def image_size(item: ImageItem, base_dir: Optional[Union[str, os.PathLike]] = No
     """
     if isinstance(item, Image.Image):
         return item.height, item.width
-    source, name = _image_source(item, base_dir)
-    try:
-        with Image.open(source) as img:
-            return img.height, img.width
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
-        raise ValueError(f"corrupt image {name}: {str(err).replace(repr(source), name)}") from err
+    with _open_image(item, base_dir) as img:
+        return img.height, img.width
 
 
 def image_grid(height: int, width: int, *, min_pixels: int, max_pixels: int, patch_size: int = 14,
