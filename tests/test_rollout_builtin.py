@@ -163,6 +163,57 @@ def test_stream_yields_each_group_when_it_finishes(fresh_engine, mixed_prompts, 
     assert [r.prompt_index for r in flat] == [r.prompt_index for r in whole]
 
 
+# ---- KV cache ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("capacity_delta", [0, -6])  # sized for prompt + max_new_tokens; too small: grows
+def test_preallocated_cache_gives_dynamic_caches_exact_results(fresh_engine, mixed_prompts, biased_head,
+                                                               monkeypatch, capacity_delta):
+    """The decode's preallocated KV cache against transformers' DynamicCache: the same tokens and
+    bitwise the same log-probs, with padded prompts of mixed length, sequences dropped as they
+    finish, and a buffer that has to grow."""
+    from transformers import DynamicCache
+
+    import rollplex_train.rollout.builtin as builtin
+    from rollplex_train.rollout.kv_cache import PreallocatedCache
+
+    biased_head(fresh_engine.model, {fresh_engine.tokenizer.eos_token_id: 5.0})  # varied lengths
+    params = SamplingParams(n=3, max_new_tokens=12, seed=5)
+    made = []
+
+    def preallocated(num_layers, capacity):
+        made.append(PreallocatedCache(num_layers, capacity + capacity_delta))
+        return made[-1]
+
+    monkeypatch.setattr(builtin, "PreallocatedCache", preallocated)
+    fast = fresh_engine.generate(mixed_prompts * 2, params)
+    monkeypatch.setattr(builtin, "PreallocatedCache", lambda num_layers, capacity: DynamicCache())
+    slow = fresh_engine.generate(mixed_prompts * 2, params)
+    assert len({len(r.token_ids) for r in slow}) > 1  # some sequences were dropped before the end
+    assert _tokens(fast) == _tokens(slow)
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(fast, slow))
+    layer = made[0].layers[0]
+    grew = layer._k.shape[2] > layer.capacity
+    assert grew == (capacity_delta < 0)
+
+
+def test_preallocated_layer_appends_selects_and_repeats():
+    from rollplex_train.rollout.kv_cache import PreallocatedLayer
+
+    layer = PreallocatedLayer(capacity=3)
+    k, v = torch.arange(2 * 1 * 2 * 2.0).view(2, 1, 2, 2), -torch.arange(2 * 1 * 2 * 2.0).view(2, 1, 2, 2)
+    keys, values = layer.update(k, v)
+    assert torch.equal(keys, k) and torch.equal(values, v) and layer.get_seq_length() == 2
+    step_k, step_v = torch.full((2, 1, 1, 2), 7.0), torch.full((2, 1, 1, 2), -7.0)
+    keys, _ = layer.update(step_k, step_v)
+    assert torch.equal(keys, torch.cat([k, step_k], dim=2))
+    keys, values = layer.update(step_k + 1, step_v - 1)  # past capacity: the buffer grows
+    assert layer.get_seq_length() == 4 and torch.equal(keys, torch.cat([k, step_k, step_k + 1], dim=2))
+    assert torch.equal(values, torch.cat([v, step_v, step_v - 1], dim=2))
+    layer.batch_repeat_interleave(2)
+    assert torch.equal(layer.keys[2], layer.keys[3]) and torch.equal(layer.keys[1], keys[0])
+    layer.batch_select_indices(torch.tensor([3, 0]))
+    assert torch.equal(layer.keys, keys[[1, 0]]) and torch.equal(layer.values, values[[1, 0]])
+
+
 # ---- stopping ------------------------------------------------------------------------------------
 def test_eos_stops_and_ignore_eos_runs_to_max_new_tokens(fresh_engine, mixed_prompts, biased_head):
     eos = fresh_engine.tokenizer.eos_token_id

@@ -1,4 +1,4 @@
-"""The built-in rollout engine: batched sampling over a transformers KV cache.
+"""The built-in rollout engine: batched sampling over a preallocated KV cache (``rollout/kv_cache.py``).
 
 Per request: the P prompts are prefilled once (left-padded, vision encoded once per prompt), the KV
 cache is repeated ``n`` times along the batch (the n responses of a prompt share its prefill, as
@@ -27,6 +27,7 @@ from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.sequence import pad_prompts, rope_positions, vision_kwargs
 from rollplex_train.device import compute_context, model_device
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
+from rollplex_train.rollout.kv_cache import PreallocatedCache
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,6 @@ class BuiltinRolloutEngine(RolloutEngine):
                         gens: list[torch.Generator]) -> Iterator[list[Response]]:
         """Decode ``prompts`` together; after a decode step that finished some groups, yield the
         responses of those groups (all n of each), and when decoding ends, those of all the rest."""
-        from transformers import DynamicCache
-
         model, n, dev = self.model, params.n, self.device
         if self._side is None and self.device_share in ("streams", "green"):
             from rollplex_train.device_share import enter_side
@@ -242,7 +241,8 @@ class BuiltinRolloutEngine(RolloutEngine):
         ids, mask = ids.to(dev), mask.to(dev)
         vision = VisionInputs.concat([p.vision for p in prompts]).to(dev)
         position_ids, deltas = rope_positions(model, ids, mask, vision)
-        cache = DynamicCache(config=model.config)
+        cache = PreallocatedCache(model.config.get_text_config().num_hidden_layers,
+                                  capacity=ids.shape[1] + params.max_new_tokens)
         with compute_context(dev, self.compute_dtype):
             out = model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache,
                               use_cache=True, **vision_kwargs(vision))
