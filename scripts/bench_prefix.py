@@ -1,6 +1,7 @@
-"""Full-sequence vs prefix/suffix passes, side by side in one run (issue 3).
+"""Full-sequence vs prefix/suffix passes, side by side in one run.
 
     python scripts/bench_prefix.py            # small checkpoint, G=8, 64-token responses
+    python scripts/bench_prefix.py --malloc default   # glibc's allocator defaults, not the workers'
 
 Reference scoring (no grad) and actor training (forward + backward) of P prompts x G responses,
 each measured as the median of a few repetitions after a warm-up, on this machine's cores. The last
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ from PIL import Image
 from rollplex_train.data.prompts import build_messages, render_prompt_ids
 from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.data.vision import patchify_images
+from rollplex_train.memory.host_malloc import keep_freed_memory
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.prefix import encode_prefix, score_suffix
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
@@ -43,14 +46,21 @@ def make_prompts(tokenizer, num_prompts: int, image_side: int) -> list[PromptSam
     return prompts
 
 
+FAULTS: list[int] = []  # minor page faults per timed run, in call order
+
+
 def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up run, and the last result."""
+    """Median seconds of ``fn()`` over ``repeats`` runs after one warm-up run, and the last result;
+    the median minor page faults of a run are appended to :data:`FAULTS`."""
     result = fn()
-    times = []
+    times, faults = [], []
     for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         start = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - start)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    FAULTS.append(int(statistics.median(faults)))
     return statistics.median(times), result
 
 
@@ -63,7 +73,11 @@ def main() -> None:
     parser.add_argument("--image-side", type=int, default=224)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--malloc", choices=("workers", "default"), default="workers",
+                        help="the workers' host allocator setting (memory/host_malloc.py) or glibc's defaults")
     args = parser.parse_args()
+    if args.malloc == "workers":
+        keep_freed_memory()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     path = Path(args.model)
@@ -110,6 +124,8 @@ def main() -> None:
     print(f"{'pass':<8}{'full_s':>10}{'split_s':>10}{'speedup':>10}")
     print(f"{'ref':<8}{ref_full_s:>10.3f}{ref_split_s:>10.3f}{ref_full_s / ref_split_s:>10.2f}")
     print(f"{'train':<8}{train_full_s:>10.3f}{train_split_s:>10.3f}{train_full_s / train_split_s:>10.2f}")
+    print(f"minor page faults per pass (host allocator: {args.malloc}): ref {FAULTS[0]} / {FAULTS[1]}, "
+          f"train {FAULTS[2]} / {FAULTS[3]} (full / split)")
     print(f"prefix-split: ref_speedup={ref_full_s / ref_split_s:.2f} "
           f"train_speedup={train_full_s / train_split_s:.2f} max_abs_logprob_diff={diff:.2e}")
 

@@ -1,4 +1,4 @@
-"""serial vs serial+shared prefix vs disaggregated vs rollplex, side by side in one run (issue 4).
+"""serial vs serial+shared prefix vs disaggregated vs rollplex, side by side in one run.
 
     python scripts/bench_schedules.py            # bench_cpu workload, 3 rounds x 5 steps per schedule
 

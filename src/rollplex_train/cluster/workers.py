@@ -24,6 +24,7 @@ from rollplex_train.data.types import PromptSample, Response, TrainBatch
 from rollplex_train.rollout.base import SamplingParams, create_rollout_engine
 from rollplex_train.device import layout_device
 from rollplex_train.device_share import enter_side, half_sms
+from rollplex_train.memory.host_malloc import keep_freed_memory
 from rollplex_train.training.base import create_train_engine
 
 
@@ -66,6 +67,7 @@ def _setup_process(threads: int, authkey: Optional[bytes] = None) -> None:
     transformers.utils.logging.disable_progress_bar()
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
+    keep_freed_memory()  # freed tensors' memory reused, not page-faulted in afresh every step
     if authkey is not None:
         # Shared-memory handles (sharing/ipc.py, file_descriptor strategy) are fetched over a
         # multiprocessing connection authenticated with this key: both workers of a group need the
