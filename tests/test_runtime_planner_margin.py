@@ -50,18 +50,30 @@ def test_overlap_chosen_only_when_gain_clears_the_margin():
 
 
 def test_margin_is_measured_noise_plus_shortfall():
+    """The noise counted is that of the terms in which overlap and no overlap differ: the window's
+    tasks at 1 and at 2 threads, and the decode steps beside them at 1 and at 2 threads."""
     g, planner = _graph(), PhasePlanner(2)
     cost = _cost(1.2, noise=0.1)
     assert cost.relative_noise("decode", 2) == pytest.approx(0.1 / 1.1)  # |1 / 1.1 - 1|, EMA weight 1
     assert cost.relative_noise("decode", 4) == cost.prior_noise
     movable = g.movable()
+    plan = planner._overlap(movable, 500, 1, 1, cost)  # a 0.6 s window at 1 thread: about half the tasks
+    window = [t for t in movable if t.name in plan.window_tasks]
+    assert window and len(window) < len(movable)  # the window holds some of the tasks, not all
+    per_kind = {}
+    for t in window:  # seconds of each prefix kind in the window: 1.1 ms/token at 1 thread, 1 at 2
+        per_kind[t.kind] = per_kind.get(t.kind, 0.0) + t.tokens * 1e-3
+    window_s = 1.1 * sum(per_kind.values())
+    terms = [1.1 * s for s in per_kind.values()] + list(per_kind.values())  # prefix at 1 and 2 threads
+    terms += [window_s, window_s / 1.2]  # decode beside the window at 1 thread, those steps at 2
     baseline = 1.0 + sum(t.tokens for t in movable) * 1e-3
-    expected = MARGIN_Z * ((0.1 / 1.1) ** 2 * (1.0 ** 2 + 1.2 ** 2 + 0.4 ** 2 + 0.4 ** 2 + 0.2 ** 2)) ** 0.5 \
-        + MIN_MARGIN_FRAC * baseline
-    assert planner.margin_s(cost, 1000, movable, baseline, 1) == pytest.approx(expected)
+    expected = MARGIN_Z * (0.1 / 1.1) * sum(x ** 2 for x in terms) ** 0.5 + MIN_MARGIN_FRAC * baseline
+    assert planner.margin_s(cost, plan, movable, baseline) == pytest.approx(expected)
     cost.observe_gain(planned_s=0.5, realised_s=-0.25)
     assert cost.gain_shortfall_s == pytest.approx(0.75)
-    assert planner.margin_s(cost, 1000, movable, baseline, 1) == pytest.approx(expected + 0.75)
+    assert planner.margin_s(cost, plan, movable, baseline) == pytest.approx(expected + 0.75)
+    no_overlap = planner.plan(g, CostModel())  # not calibrated: a profiling plan without overlap
+    assert planner.margin_s(cost, no_overlap, movable, baseline) == pytest.approx(0.75 + MIN_MARGIN_FRAC * baseline)
 
 
 def test_a_realised_loss_turns_the_next_step_to_no_overlap():

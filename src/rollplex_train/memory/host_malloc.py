@@ -3,11 +3,11 @@
 PyTorch's CPU allocator is the C library's ``malloc``. With glibc's defaults a block above the
 dynamic mmap threshold (128 KiB at start, at most 32 MiB) is ``mmap``-ed and given back to the
 kernel when freed, and the top of the heap is trimmed above 128 KiB free: every training step then
-allocates its activations afresh and the kernel zero-fills each 4 KiB page on first touch. Measured
-on the small checkpoint (8 prompts x G=8 x 128 tokens, shared prefix, 2 threads): a reference pass
-took 213k-293k minor page faults and 2.09-2.11 s; with mmap off and no trimming (these settings), 11k faults and
-1.75 s; a training pass (forward + backward) 5.3-5.8 s against 5.1 s. The arithmetic is unchanged:
-only where the bytes live.
+allocates its activations afresh and the kernel zero-fills each 4 KiB page on first touch.
+``python scripts/bench_prefix.py --prompts 8 --image-side 56 --response-length 128 --malloc default``
+against ``--malloc workers`` (small checkpoint, 8 prompts x G=8, 2 threads; docs/benchmarks.md):
+a shared-prefix reference pass took 136k minor page faults and 2.58 s, and none and 1.71 s with
+these settings. The arithmetic is unchanged: only where the bytes live.
 
 :func:`keep_freed_memory` sets, through ``mallopt`` (glibc ``malloc.h``; ``mallopt(3)``):
 ``M_MMAP_MAX = 0`` (no block is mmap-ed: all come from the heaps, reused after ``free``),

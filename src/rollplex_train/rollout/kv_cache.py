@@ -1,10 +1,9 @@
 """The decode KV cache of the built-in rollout engine: one buffer per layer, allocated once.
 
 transformers' ``DynamicCache`` grows each layer's keys and values with ``torch.cat`` at every decode
-step, which copies the whole cache per step: O(L^2) bytes over a response of L tokens. On the CPU
-benchmarks that copy was a third of decode time (``aten::cat``, 35% of a 64-sequence x 128-token
-decode of the small checkpoint under ``torch.profiler``). This cache writes each step's keys and
-values into a buffer sized for the prompt plus every new token and hands attention a view of the
+step, which copies the whole cache per step: O(L^2) bytes over a response of L tokens
+(``aten::cat`` is the largest single op of a CPU decode under ``torch.profiler``). This cache
+writes each step's keys and values into a buffer sized for the prompt plus every new token and hands attention a view of the
 filled part, so each step copies only its own token.
 
 The view holds the same numbers in the same order as the concatenated tensor (only its batch and

@@ -15,7 +15,8 @@ prefix work:
 An overlap is chosen only when its predicted gain over no overlap exceeds a *margin* (:meth:`PhasePlanner.margin_s`):
 the measured cost of sharing the device is already in the prediction (decode's rate at its share
 of the device, measured while the window's prefix tasks ran beside it), and the margin adds
-``MARGIN_Z`` times the measured step-to-step noise of the rates involved, the measured shortfall
+``MARGIN_Z`` times the measured step-to-step noise of the terms in which the two predictions
+differ (the window's tasks and the decode steps beside them; the rest is common), the measured shortfall
 of earlier overlapped steps (planned minus realised gain, ``CostModel.observe_gain``) and
 ``MIN_MARGIN_FRAC`` of the step. Otherwise the planner falls back to no overlap, so a step is not
 planned slower than the same step without overlap. The schedule logs the planned gain and the
@@ -127,7 +128,7 @@ class PhasePlanner:
         plans = [WindowPlan("plan", self.total, 0, [], run_order(movable), baseline)]
         plans += [self._overlap(movable, decode_steps, self.total - c, c, cost) for c in range(1, self.total)]
         best = min(plans, key=lambda p: p.predicted_s)  # the first minimum: no overlap wins a tie
-        margin = self.margin_s(cost, decode_steps, movable, baseline, best.decode_share)
+        margin = self.margin_s(cost, best, movable, baseline)
         if baseline - best.predicted_s <= margin:
             best = plans[0]  # the gain is not there (within the noise): no overlap
         best.planned_gain_s = baseline - best.predicted_s
@@ -137,19 +138,30 @@ class PhasePlanner:
                            p.predicted_s for p in plans}
         return best
 
-    def margin_s(self, cost: CostModel, decode_steps: int, movable: list[Task], baseline_s: float,
-                 decode_share: int) -> float:
-        """Seconds an overlap's predicted gain must exceed: ``MARGIN_Z`` x the measured noise of the
-        rates in play (decode on the whole device and at ``decode_share``, each prefix kind; rates
-        of one kind move together, so their seconds are summed per kind before the quadrature sum),
-        plus the shortfall of earlier overlapped steps, plus ``MIN_MARGIN_FRAC`` of ``baseline_s``."""
-        per_kind: dict[tuple[str, int], float] = {("decode", self.total): cost.seconds("decode", decode_steps, self.total)}
-        if decode_share != self.total:
-            per_kind[("decode", decode_share)] = cost.seconds("decode", decode_steps, decode_share)
-        for t in movable:
-            key = (t.kind, self.total)
-            per_kind[key] = per_kind.get(key, 0.0) + cost.seconds(t.kind, t.tokens, self.total)
-        spread = math.sqrt(sum((cost.relative_noise(kind, threads) * s) ** 2 for (kind, threads), s in per_kind.items()))
+    def margin_s(self, cost: CostModel, plan: WindowPlan, movable: list[Task], baseline_s: float) -> float:
+        """Seconds the predicted gain of ``plan`` over no overlap must exceed: ``MARGIN_Z`` x the
+        measured noise of the terms in which the two differ, plus the shortfall of earlier
+        overlapped steps, plus ``MIN_MARGIN_FRAC`` of ``baseline_s``.
+
+        The terms that differ: the window tasks at the train share (overlap) against the same tasks
+        on the whole device (no overlap), and the decode steps done during the window at the decode
+        share against the same steps on the whole device. Decode outside the window and the tasks
+        left for after it are the same work at the same rate in both plans, so their noise moves
+        both predictions alike and is left out. Rates of one (kind, threads) move together, so their
+        seconds are summed per key before the quadrature sum. A plan without overlap gets the
+        shortfall and fraction terms only."""
+        per_key: dict[tuple[str, int], float] = {}
+        if plan.overlaps:
+            by_name = {t.name: t for t in movable}
+            window = [by_name[name] for name in plan.window_tasks]
+            for t in window:
+                for threads in (plan.train_share, self.total):
+                    per_key[(t.kind, threads)] = per_key.get((t.kind, threads), 0.0) + cost.seconds(t.kind, t.tokens, threads)
+            window_s = sum(cost.seconds(t.kind, t.tokens, plan.train_share) for t in window)
+            steps = window_s / cost.rate("decode", plan.decode_share)  # decoded during the window
+            per_key[("decode", plan.decode_share)] = window_s
+            per_key[("decode", self.total)] = steps * cost.rate("decode", self.total)
+        spread = math.sqrt(sum((cost.relative_noise(kind, threads) * s) ** 2 for (kind, threads), s in per_key.items()))
         return MARGIN_Z * spread + cost.gain_shortfall_s + MIN_MARGIN_FRAC * baseline_s
 
     @staticmethod
