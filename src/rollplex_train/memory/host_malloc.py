@@ -44,10 +44,11 @@ def keep_freed_memory() -> bool:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
-        mallopt, gnu_version = libc.mallopt, libc.gnu_get_libc_version
-    except (OSError, AttributeError, TypeError):  # not glibc: leave the allocator as it is
+    except (OSError, TypeError):
         return False
-    del gnu_version  # present only in glibc: the mallopt numbers above are glibc's
+    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc: its mallopt numbers mean other things
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = True
     for param, value in SETTINGS.items():

@@ -53,16 +53,18 @@ class PreallocatedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self._k.shape[2]:
-            grown = 2 * end
-            self._k = torch.cat([self._k[:, :, : self.length], self._k.new_empty(*self._k.shape[:2], grown - self.length,
-                                                                                  self._k.shape[3])], dim=2)
-            self._v = torch.cat([self._v[:, :, : self.length], self._v.new_empty(*self._v.shape[:2], grown - self.length,
-                                                                                  self._v.shape[3])], dim=2)
+            self._k, self._v = self._grown(self._k, 2 * end), self._grown(self._v, 2 * end)
         self._k[:, :, self.length:end] = key_states
         self._v[:, :, self.length:end] = value_states
         self.length = end
         self._views()
         return self.keys, self.values
+
+    def _grown(self, buffer: torch.Tensor, positions: int) -> torch.Tensor:
+        """A (B, H_kv, ``positions``, D) buffer holding ``buffer``'s first ``length`` positions."""
+        bigger = buffer.new_empty(*buffer.shape[:2], positions, buffer.shape[3])
+        bigger[:, :, : self.length] = buffer[:, :, : self.length]
+        return bigger
 
     def get_seq_length(self) -> int:
         return self.length
