@@ -62,11 +62,15 @@ def test_misspelt_key_is_an_error(override):
         ("actor.lr_scheduler=linear", "actor.lr_scheduler"),
         ("actor.min_lr_ratio=1.5", "actor.min_lr_ratio"),
         ("actor.lr_decay_steps=0", "actor.lr_decay_steps"),
+        ("schedule.prefill_from_actor=sometimes", "schedule.prefill_from_actor"),
+        # the KV caches come from the rollplex schedule's prefix passes and go to the built-in engine only
+        ("schedule.prefill_from_actor=true schedule.name=serial", "schedule.prefill_from_actor"),
+        ("schedule.prefill_from_actor=true rollout.name=sglang", "schedule.prefill_from_actor"),
     ],
 )
 def test_bad_value_names_the_key(override, message):
     with pytest.raises(ValueError, match=message):
-        _compose(["+experiment=tiny_cpu", "schedule=rollplex", override])
+        _compose(["+experiment=tiny_cpu", "schedule=rollplex", *override.split()])
 
 
 def test_cosine_schedule_decays_over_the_whole_run():

@@ -205,4 +205,10 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
     rows = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     slices = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert rows == {"driver", "rollout", "train"}
-    assert {"gen", "reshare", "prefix(old)", "prefix(ref)", "prefix(actor)", "old_log_prob", "update_actor"} <= slices
+    assert {"gen", "reshare", "prefix(old)", "prefix(ref)", "prefix(actor)", "old_log_prob", "update_actor",
+            "prefix_before"} <= slices
+    # the first mini-batch's actor prefixes (2 groups) were encoded before decode and the rollout
+    # decoded from their KV caches (the same tokens as the serial run's own prefill, above); with no
+    # prefix state allowed across decode, the rollout prefilled every prompt itself
+    assert [r["rollplex/prefill_from_actor_groups"] for r in rollplex] == [2.0, 2.0, 2.0]
+    assert [r["rollplex/prefill_from_actor_groups"] for r in runs["rollplex+tail"][0]] == [0.0, 0.0, 0.0]

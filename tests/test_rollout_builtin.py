@@ -179,13 +179,21 @@ def test_preallocated_cache_gives_dynamic_caches_exact_results(fresh_engine, mix
     params = SamplingParams(n=3, max_new_tokens=12, seed=5)
     made = []
 
-    def preallocated(num_layers, capacity):
-        made.append(PreallocatedCache(num_layers, capacity + capacity_delta))
-        return made[-1]
+    class Preallocated:
+        @staticmethod
+        def left_padded(keys, values, capacity):
+            made.append(PreallocatedCache.left_padded(keys, values, capacity + capacity_delta))
+            return made[-1]
 
-    monkeypatch.setattr(builtin, "PreallocatedCache", preallocated)
+    class Dynamic:  # the same prompt caches, concatenated into by every decode step
+        @staticmethod
+        def left_padded(keys, values, capacity):
+            filled = PreallocatedCache.left_padded(keys, values, capacity).layers
+            return DynamicCache(ddp_cache_data=[(layer.keys.clone(), layer.values.clone()) for layer in filled])
+
+    monkeypatch.setattr(builtin, "PreallocatedCache", Preallocated)
     fast = fresh_engine.generate(mixed_prompts * 2, params)
-    monkeypatch.setattr(builtin, "PreallocatedCache", lambda num_layers, capacity: DynamicCache())
+    monkeypatch.setattr(builtin, "PreallocatedCache", Dynamic)
     slow = fresh_engine.generate(mixed_prompts * 2, params)
     assert len({len(r.token_ids) for r in slow}) > 1  # some sequences were dropped before the end
     assert _tokens(fast) == _tokens(slow)
@@ -212,6 +220,46 @@ def test_preallocated_layer_appends_selects_and_repeats():
     assert torch.equal(layer.keys[2], layer.keys[3]) and torch.equal(layer.keys[1], keys[0])
     layer.batch_select_indices(torch.tensor([3, 0]))
     assert torch.equal(layer.keys, keys[[1, 0]]) and torch.equal(layer.values, values[[1, 0]])
+
+
+def test_left_padded_cache_places_each_prompt_at_the_right_end():
+    from rollplex_train.rollout.kv_cache import PreallocatedCache
+
+    long = [torch.arange(1 * 2 * 3 * 4.0).view(1, 2, 3, 4) + 1]
+    short = [torch.full((1, 2, 1, 4), 9.0)]
+    cache = PreallocatedCache.left_padded([long, short], [[-t for t in long], [-t for t in short]], capacity=5)
+    layer = cache.layers[0]
+    assert layer.get_seq_length() == 3 and layer._k.shape == (2, 2, 5, 4)
+    assert torch.equal(layer.keys[0], long[0][0]) and torch.equal(layer.values[0], -long[0][0])
+    assert torch.equal(layer.keys[1, :, 2:], short[0][0]) and not layer.keys[1, :, :2].any()
+    with pytest.raises(ValueError, match="capacity of 2"):
+        PreallocatedCache.left_padded([long], [long], capacity=2)
+
+
+# ---- prefixes handed in --------------------------------------------------------------------------
+def test_handed_in_prefixes_give_the_engines_own_results(fresh_engine, mixed_prompts, tiny_ckpt_qwen25):
+    """The rollout decodes from KV caches the training side encoded (a model of its own with grad,
+    ``encode_prefix``, as the train worker's actor prefix) exactly as from its own prefill: the same
+    tokens and bitwise the same log-probs, with prompts of mixed lengths and some prompts left for
+    the engine to prefill; a state of another weights version or prompt is refused."""
+    from rollplex_train.models.loading import load_model
+    from rollplex_train.models.prefix import encode_prefix
+
+    actor = load_model(str(tiny_ckpt_qwen25))
+    actor.train()
+    states = [encode_prefix(actor, [p], version=7, with_grad=True)[0] for p in mixed_prompts]
+    assert states[0].keys[0].requires_grad
+    given = [s.detached(version=0) for s in states]
+    params = SamplingParams(n=3, max_new_tokens=10, seed=11)
+    own = fresh_engine.generate(mixed_prompts, params)
+    for prefixes in (given, [given[0], None, given[2]]):
+        got = fresh_engine.generate(mixed_prompts, params, prefixes=prefixes)
+        assert _tokens(got) == _tokens(own)
+        assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(got, own))
+    with pytest.raises(StaleWeightsError, match="version 7"):
+        fresh_engine.generate(mixed_prompts, params, prefixes=[states[0].detached(), None, None])
+    with pytest.raises(StaleWeightsError, match="for prompt"):
+        fresh_engine.generate(mixed_prompts, params, prefixes=[given[1], None, None])
 
 
 # ---- stopping ------------------------------------------------------------------------------------

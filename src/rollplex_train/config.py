@@ -403,9 +403,17 @@ class ScheduleConfig:
     stream_suffix: bool = True
     """rollplex: score the suffixes of groups whose responses are all finished while other groups
     still decode (the decode tail), on the planner's split of the device."""
+    prefill_from_actor: str = "auto"
+    """rollplex: encode the first mini-batch's actor prefixes (with their graph) before decode and
+    hand their KV caches to the rollout engine, which then skips its own prefill of those prompts
+    (one vision + prompt pass per group fewer). ``auto``: where it can run (``schedule.name=rollplex``,
+    ``rollout.name=builtin``, ``actor.backend=torch``, and the states fit ``prefix_memory_gib``);
+    ``true``: required (a config error where it cannot run); ``false``: off."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule", "name", self.name, SCHEDULES)
+        self.prefill_from_actor = str(self.prefill_from_actor).lower()  # Hydra reads `true` as a bool
+        _check_choice("schedule", "prefill_from_actor", self.prefill_from_actor, ("auto", "true", "false"))
         if self.prefix_memory_gib is not None:
             _check_positive("schedule", "prefix_memory_gib", self.prefix_memory_gib, allow_zero=True)
 
@@ -485,6 +493,9 @@ class Config:
                              "runs on one device (TP needs rollout.name=sglang)")
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
+        if self.schedule.prefill_from_actor == "true" and not self.prefill_from_actor_possible():
+            raise ValueError(f"schedule.prefill_from_actor=true needs schedule.name=rollplex, rollout.name=builtin "
+                             f"and actor.backend=torch (got {self.schedule.name}, {r.name}, {a.backend})")
         mini = self.actor.ppo_mini_batch_size
         if mini > 0 and self.data.rollout_batch_size % mini != 0:
             raise ValueError(
@@ -495,6 +506,12 @@ class Config:
             # total_training_steps into its optimizer config the same way)
             per_step = 1 if mini <= 0 else self.data.rollout_batch_size // mini
             a.lr_decay_steps = max(1, self.trainer.total_steps * per_step * a.ppo_epochs - max(a.lr_warmup_steps, 0))
+
+    def prefill_from_actor_possible(self) -> bool:
+        """Whether the rollout can decode from the actor's prefix KV caches (``schedule.prefill_from_actor``):
+        the rollplex schedule encodes them, the torch backend's states are whole (not TP shards) and the
+        built-in engine accepts them (SGLang prefills every prompt itself)."""
+        return self.schedule.name == "rollplex" and self.rollout.name == "builtin" and self.actor.backend == "torch"
 
 
 def register_configs() -> None:

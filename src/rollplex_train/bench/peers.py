@@ -35,8 +35,10 @@ SCHEDULES = {  # label -> rollplex-train overrides
 }
 SYSTEMS = ("trl", *SCHEDULES)
 PHASES = ("gen", "old", "ref", "update")
-ROLLPLEX_PHASES = {"gen": "timing_s/gen", "old": "timing_s/old_log_prob", "ref": "timing_s/ref",
-                   "update": "timing_s/update_actor"}
+ROLLPLEX_PHASES = {"gen": ("timing_s/gen", "timing_s/prefix_before"), "old": ("timing_s/old_log_prob",),
+                   "ref": ("timing_s/ref",), "update": ("timing_s/update_actor",)}
+"""Table column -> the metrics summed into it (the actor prefixes encoded before decode, whose KV
+caches the rollout decodes from, count as generation: they replace its prefill)."""
 
 
 def compose_config(experiment: str, overrides: list[str]) -> Config:
@@ -83,8 +85,8 @@ def run_rollplex(experiment: str, label: str, steps: int, timed_from: int, out: 
     if proc.returncode != 0:
         raise RuntimeError(f"{experiment} {label} failed:\n{proc.stderr[-3000:]}")
     rows = [r for r in read_metrics_jsonl(out / "metrics.jsonl") if r["step"] >= timed_from]
-    mean = lambda key: sum(r.get(key, 0.0) for r in rows) / len(rows)  # noqa: E731
-    result = {"step": mean("timing_s/step"), **{p: mean(k) for p, k in ROLLPLEX_PHASES.items()},
+    mean = lambda *keys: sum(r.get(k, 0.0) for r in rows for k in keys) / len(rows)  # noqa: E731
+    result = {"step": mean("timing_s/step"), **{p: mean(*k) for p, k in ROLLPLEX_PHASES.items()},
               "step_s": [r["timing_s/step"] for r in rows]}
     for key in ("rollplex/planned_gain_s", "rollplex/realised_gain_s", "planner/decode_share"):
         if key in rows[-1]:

@@ -97,9 +97,11 @@ class TrainGroup:
         the first replica (loss metrics are already global sums there)."""
         return self._fan("update_actor", [(p, temperature) for p in parts], lambda outs: outs[0])
 
-    def precompute_prefixes(self, step: StepPrompts, groups: list[int], roles: list[str], version: int) -> Pending:
+    def precompute_prefixes(self, step: StepPrompts, groups: list[int], roles: list[str], version: int,
+                            export: bool = False) -> Pending:
         """Prefix tasks for the global prompt indices ``groups``, each on the DP rank that owns it
-        (ranks with none are skipped); result: ``[(dp, result dict of the replica's first rank)]``."""
+        (ranks with none are skipped); result: ``[(dp, result dict of the replica's first rank)]``.
+        ``export``: each result also holds ``prefix/states``, the rank's states in ``groups`` order."""
         futures, leaders = [], []
         for dp in range(self.dp_size):
             mine = [g for g in groups if step.rank_of_group[g] == dp]
@@ -109,7 +111,7 @@ class TrainGroup:
                 if r == self.leaders[dp]:
                     leaders.append((dp, len(futures)))
                 futures.append(self.ex.call(self.handles[r], "precompute_prefixes", step.refs[dp], roles, version,
-                                            step.local(dp, mine)))
+                                            step.local(dp, mine), export and r == self.leaders[dp]))
         return Pending(futures, lambda values: [(dp, values[i]) for dp, i in leaders])
 
     def set_threads(self, threads: int) -> Pending:
@@ -177,10 +179,18 @@ class RolloutGroup:
                 calls.setdefault((engines[k % len(engines)], dp), []).append(g)
         return [(e, dp, idx) for (e, dp), idx in sorted(calls.items())]
 
-    def generate(self, step: StepPrompts, params, version: Optional[int]) -> Pending:
-        """All responses, grouped by prompt in global order (``prompt_index`` global)."""
+    @staticmethod
+    def _given(prefixes: Optional[dict], idx: list[int]) -> Optional[list]:
+        """Per prompt of a call, its handed-in prefix state or None (None: none handed in)."""
+        return None if not prefixes else [prefixes.get(g) for g in idx]
+
+    def generate(self, step: StepPrompts, params, version: Optional[int], prefixes: Optional[dict] = None) -> Pending:
+        """All responses, grouped by prompt in global order (``prompt_index`` global).
+        ``prefixes``: global prompt index -> its KV cache under ``version`` (``PrefixState``), for
+        the prompts the engines need not prefill."""
         calls = self.split(step)
-        futures = [self.ex.call(self.handles[e], "generate", step.refs[dp], params, version, step.local(dp, idx))
+        futures = [self.ex.call(self.handles[e], "generate", step.refs[dp], params, version, step.local(dp, idx),
+                                self._given(prefixes, idx))
                    for e, dp, idx in calls]
 
         def combine(outs: list[list[Response]]) -> list[Response]:
@@ -189,12 +199,15 @@ class RolloutGroup:
 
         return Pending(futures, combine)
 
-    def generate_stream(self, step: StepPrompts, params, version: Optional[int]) -> "ResponseStream":
-        """Whole finished groups as the engines yield them (``ResponseStream``)."""
+    def generate_stream(self, step: StepPrompts, params, version: Optional[int],
+                        prefixes: Optional[dict] = None) -> "ResponseStream":
+        """Whole finished groups as the engines yield them (``ResponseStream``); ``prefixes`` as in
+        :meth:`generate`."""
         calls = self.split(step)
         stream = ItemStream(len(calls))
         for e, dp, idx in calls:
-            self.ex.stream(self.handles[e], "generate_stream", (step.refs[dp], params, version, step.local(dp, idx)),
+            self.ex.stream(self.handles[e], "generate_stream",
+                           (step.refs[dp], params, version, step.local(dp, idx), self._given(prefixes, idx)),
                            stream, tag=tuple(idx))
         return ResponseStream(stream)
 

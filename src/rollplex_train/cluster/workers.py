@@ -150,10 +150,11 @@ class RolloutWorker:
         self.compute.run(self.engine.set_compute_share, threads)
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams,
-                 weights_version: Optional[int] = None, indices: Optional[list[int]] = None) -> list[Response]:
+                 weights_version: Optional[int] = None, indices: Optional[list[int]] = None,
+                 prefixes: Optional[list] = None) -> list[Response]:
         """``prompts`` (or its ``indices``) decoded; prompt indices of the responses count in the
-        selected list."""
-        return self.compute.run(self.engine.generate, resolve(prompts, indices), params, weights_version)
+        selected list. ``prefixes``: per selected prompt, its KV cache or None (``RolloutEngine.generate``)."""
+        return self.compute.run(self.engine.generate, resolve(prompts, indices), params, weights_version, prefixes)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """The pickled path (``sharing.enabled=false``): copy the received state dict in."""
@@ -191,11 +192,12 @@ class RolloutWorker:
         return self.engine.decode_stats()
 
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
-                        weights_version: Optional[int] = None, indices: Optional[list[int]] = None):
+                        weights_version: Optional[int] = None, indices: Optional[list[int]] = None,
+                        prefixes: Optional[list] = None):
         """Ray streaming generator (call with ``.options(num_returns="streaming")``): one object per
         batch of finished groups, the list of their responses."""
         prompts = resolve(prompts, indices)
-        yield from self.compute.iterate(lambda: self.engine.generate_stream(prompts, params, weights_version))
+        yield from self.compute.iterate(lambda: self.engine.generate_stream(prompts, params, weights_version, prefixes))
 
 
 class TrainWorker:
@@ -250,8 +252,8 @@ class TrainWorker:
         return self.engine.prefetch_states(parts)
 
     def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int,
-                            indices: Optional[list[int]] = None):
-        return self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version)
+                            indices: Optional[list[int]] = None, export: bool = False):
+        return self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version, export)
 
     def set_threads(self, threads: int) -> None:
         """This worker's share of the cores for the coming phase."""

@@ -68,6 +68,16 @@ class PrefixState:
     def prompt_length(self) -> int:
         return int(self.keys[0].shape[-2])
 
+    def detached(self, version: Union[int, str, None] = None) -> "PrefixState":
+        """The same KV cache and hidden state without the autograd graph (tensors shared, not copied):
+        what a rollout engine needs to decode from this prompt instead of prefilling it itself.
+        ``version``: the version to record (None: this state's), e.g. the rollout's weights version
+        of an actor state keyed by optimizer steps."""
+        return PrefixState(uid=self.uid, version=self.version if version is None else version,
+                           keys=[k.detach() for k in self.keys],
+                           values=[v.detach() for v in self.values], last_hidden=self.last_hidden.detach(),
+                           next_position=self.next_position)
+
     @property
     def nbytes(self) -> int:
         """Bytes held: KV cache + last hidden state + activations kept for backward."""

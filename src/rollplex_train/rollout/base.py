@@ -61,14 +61,26 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(
-        self, prompts: list[PromptSample], params: SamplingParams, weights_version: Optional[int] = None
+        self, prompts: list[PromptSample], params: SamplingParams, weights_version: Optional[int] = None,
+        prefixes: Optional[list] = None,
     ) -> list[Response]:
         """Sample ``params.n`` responses per prompt, grouped: prompt 0's n responses first.
 
+        Args:
+            prefixes: None, or per prompt a ``models.prefix.PrefixState`` (no graph) holding its KV
+                cache under the engine's weights version, or None for a prompt the engine prefills
+                itself. Only engines with ``accepts_prefixes`` take them.
+
         Raises:
-            StaleWeightsError: ``weights_version`` is given and differs from the engine's.
+            StaleWeightsError: ``weights_version`` is given and differs from the engine's, or a
+                given prefix was encoded under another version.
             RuntimeError: the engine's memory is released.
+            ValueError: ``prefixes`` given to an engine that prefills prompts itself.
         """
+
+    accepts_prefixes: bool = False
+    """Whether ``generate(prefixes=...)`` can decode from KV caches encoded elsewhere (the built-in
+    engine); SGLang prefills every prompt itself."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: "dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]",
@@ -105,14 +117,15 @@ class RolloutEngine(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot map shared weights")
 
     def generate_stream(
-        self, prompts: list[PromptSample], params: SamplingParams, weights_version: Optional[int] = None
+        self, prompts: list[PromptSample], params: SamplingParams, weights_version: Optional[int] = None,
+        prefixes: Optional[list] = None,
     ) -> Iterator[list[Response]]:
         """Like ``generate``, but yield the responses of whole groups (all ``params.n`` responses of
         each of one or more prompts; ``Response.prompt_index`` tells the prompt) as soon as they are
         finished, so suffix work of early groups can start during the decode tail. The groups still
         decoding when a batch of the request ends come in one item. Engines that cannot stream yield
         everything in one item when the request is done (this default)."""
-        yield self.generate(prompts, params, weights_version)
+        yield self.generate(prompts, params, weights_version, prefixes)
 
     supports_compute_share: bool = True
     """Whether ``set_compute_share`` changes anything (the planner only re-shares engines that can)."""

@@ -1,7 +1,8 @@
 """The built-in rollout engine: batched sampling over a preallocated KV cache (``rollout/kv_cache.py``).
 
-Per request: the P prompts are prefilled once (left-padded, vision encoded once per prompt), the KV
-cache is repeated ``n`` times along the batch (the n responses of a prompt share its prefill, as
+Per request: each of the P prompts is prefilled once (``models/prefix.encode_prefix``, the training
+side's prefix pass, vision encoded once per prompt; or its KV cache is handed in, already encoded by
+the actor from the same weights), the caches are left-padded into one batch and repeated ``n`` times along the batch (the n responses of a prompt share its prefill, as
 SGLang's radix cache does), then tokens are decoded for all live sequences together. Finished
 sequences are dropped from the cache, so the decode batch shrinks along the long tail.
 
@@ -22,9 +23,10 @@ from typing import Iterator, Optional
 
 import torch
 
-from rollplex_train.data.types import PromptSample, Response, VisionInputs
+from rollplex_train.data.types import PromptSample, Response
 from rollplex_train.models.loading import load_model, load_tokenizer
-from rollplex_train.models.sequence import pad_prompts, rope_positions, vision_kwargs
+from rollplex_train.models.prefix import PrefixState, encode_prefix
+from rollplex_train.models.sequence import pad_prompts
 from rollplex_train.device import compute_context, model_device
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
 from rollplex_train.rollout.kv_cache import PreallocatedCache
@@ -119,6 +121,8 @@ class BuiltinRolloutEngine(RolloutEngine):
         self._released = False
         self._shared = None  # sharing.ipc.SharedWeights once map_shared_weights ran
 
+    accepts_prefixes = True
+
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
         ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -127,12 +131,13 @@ class BuiltinRolloutEngine(RolloutEngine):
 
     # ---- protocol -------------------------------------------------------------------------------
     def generate(self, prompts: list[PromptSample], params: SamplingParams,
-                 weights_version: Optional[int] = None) -> list[Response]:
-        finished = self.generate_stream(prompts, params, weights_version)
+                 weights_version: Optional[int] = None, prefixes: Optional[list] = None) -> list[Response]:
+        finished = self.generate_stream(prompts, params, weights_version, prefixes)
         return sorted((r for item in finished for r in item), key=lambda r: r.prompt_index)  # stable
 
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
-                        weights_version: Optional[int] = None) -> Iterator[list[Response]]:
+                        weights_version: Optional[int] = None, prefixes: Optional[list] = None
+                        ) -> Iterator[list[Response]]:
         if self._released:
             raise RuntimeError("rollout engine memory is released: call resume_memory() before generate()")
         if weights_version is not None and weights_version != self.weights_version:
@@ -146,7 +151,8 @@ class BuiltinRolloutEngine(RolloutEngine):
         for start in range(0, len(prompts), per_chunk):
             chunk = prompts[start : start + per_chunk]
             gens = [sequence_generator(params.seed, p.uid, k) for p in chunk for k in range(params.n)]
-            for finished in self._generate_chunk(chunk, params, gens):
+            given = None if prefixes is None else prefixes[start : start + per_chunk]
+            for finished in self._generate_chunk(chunk, params, gens, given):
                 for r in finished:
                     r.prompt_index += start
                 yield finished
@@ -226,27 +232,50 @@ class BuiltinRolloutEngine(RolloutEngine):
             torch.set_num_threads(target)
         return time.perf_counter()
 
+    def _prefill(self, prompts: list[PromptSample], prefixes: Optional[list[Optional[PrefixState]]]
+                 ) -> list[PrefixState]:
+        """Each prompt's KV cache under this engine's weights: the given prefix state (the actor's,
+        encoded by the train worker from the same weights) or this engine's own ``encode_prefix`` of
+        the prompt alone. Both are the same function of (weights, prompt), so the decode does not
+        depend on which one it got.
+
+        Raises:
+            StaleWeightsError: a given state was encoded under another weights version.
+        """
+        states = []
+        for i, prompt in enumerate(prompts):
+            given = prefixes[i] if prefixes is not None else None
+            if given is None:
+                with compute_context(self.device, self.compute_dtype):
+                    given, = encode_prefix(self.model, [prompt], version=self.weights_version)
+            elif given.version != self.weights_version or given.uid != prompt.uid:
+                raise StaleWeightsError(f"prefix of {given.uid!r} at weights version {given.version}, engine "
+                                        f"holds version {self.weights_version} for prompt {prompt.uid!r}")
+            states.append(given)
+        return states
+
     @torch.no_grad()
     def _generate_chunk(self, prompts: list[PromptSample], params: SamplingParams,
-                        gens: list[torch.Generator]) -> Iterator[list[Response]]:
+                        gens: list[torch.Generator], prefixes: Optional[list[Optional[PrefixState]]] = None
+                        ) -> Iterator[list[Response]]:
         """Decode ``prompts`` together; after a decode step that finished some groups, yield the
-        responses of those groups (all n of each), and when decoding ends, those of all the rest."""
+        responses of those groups (all n of each), and when decoding ends, those of all the rest.
+
+        The prompts are prefilled one by one (``_prefill``), each exactly as the training side's
+        prefix pass encodes it, and their caches left-padded into one batch."""
         model, n, dev = self.model, params.n, self.device
         if self._side is None and self.device_share in ("streams", "green"):
             from rollplex_train.device_share import enter_side
 
             self._side = enter_side(self.device_share, dev, self.decode_sms)
         tick = self._account(time.perf_counter(), 0)  # applies a pending share change
-        ids, mask = pad_prompts(prompts, self.pad_id, side="left")
-        ids, mask = ids.to(dev), mask.to(dev)
-        vision = VisionInputs.concat([p.vision for p in prompts]).to(dev)
-        position_ids, deltas = rope_positions(model, ids, mask, vision)
-        cache = PreallocatedCache(model.config.get_text_config().num_hidden_layers,
-                                  capacity=ids.shape[1] + params.max_new_tokens)
-        with compute_context(dev, self.compute_dtype):
-            out = model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache,
-                              use_cache=True, **vision_kwargs(vision))
-        last_hidden = out.last_hidden_state[:, -1]  # (P, H): left padding puts every prompt's end last
+        states = self._prefill(prompts, prefixes)
+        _, mask = pad_prompts(prompts, self.pad_id, side="left")
+        mask = mask.to(dev)
+        cache = PreallocatedCache.left_padded([s.keys for s in states], [s.values for s in states],
+                                              capacity=mask.shape[1] + params.max_new_tokens)
+        last_hidden = torch.stack([s.last_hidden for s in states])  # (P, H)
+        deltas = torch.tensor([[s.next_position - s.prompt_length] for s in states], device=dev)
         cache.batch_repeat_interleave(n)
         last_hidden = last_hidden.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)

@@ -88,3 +88,34 @@ class PreallocatedCache(Cache):
 
     def __init__(self, num_layers: int, capacity: int):
         super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+
+    @classmethod
+    def left_padded(cls, keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]], capacity: int
+                    ) -> "PreallocatedCache":
+        """A cache holding P prompts' KV caches, left-padded to the longest, as a batched prefill of
+        left-padded prompts leaves it (the padded columns are zeros here: attention masks them).
+
+        Args:
+            keys, values: per prompt, per layer, (1, H_kv, L_p, D) tensors (``PrefixState.keys``).
+            capacity: positions per buffer (>= the longest L_p; prompt + max_new_tokens).
+
+        Raises:
+            ValueError: no prompts, prompts with different layer counts, or a prompt longer than
+                ``capacity``.
+        """
+        if not keys or len({len(k) for k in keys + values}) != 1:
+            raise ValueError("left_padded: expected one (keys, values) list per prompt, all with the same layers")
+        width = max(k[0].shape[-2] for k in keys)
+        if width > capacity:
+            raise ValueError(f"left_padded: a {width}-token prompt does not fit a capacity of {capacity}")
+        cache = cls(len(keys[0]), capacity)
+        for index, layer in enumerate(cache.layers):
+            for store, per_prompt in (("_k", [k[index] for k in keys]), ("_v", [v[index] for v in values])):
+                first = per_prompt[0]
+                buffer = first.new_zeros(len(per_prompt), first.shape[1], capacity, first.shape[-1])
+                for row, t in enumerate(per_prompt):
+                    buffer[row, :, width - t.shape[-2]: width] = t[0]
+                setattr(layer, store, buffer)
+            layer.device, layer.length, layer.is_initialized = keys[0][index].device, width, True
+            layer._views()
+        return cache

@@ -248,7 +248,9 @@ class SGLangRolloutEngine(RolloutEngine):
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompts: list[PromptSample], params: SamplingParams,
-                 weights_version: Optional[int] = None) -> list[Response]:
+                 weights_version: Optional[int] = None, prefixes: Optional[list] = None) -> list[Response]:
+        if prefixes is not None:
+            raise ValueError("the SGLang engine prefills every prompt itself: prefixes cannot be handed in")
         self._check_ready(weights_version)
         per_call = max(1, self.max_batch_size // params.n)
         out: list[Response] = []

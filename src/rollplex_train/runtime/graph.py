@@ -115,7 +115,8 @@ class StepGraph:
 
 def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_steps: int, mini_batch_groups: int,
                      needs_reference: bool, weights_version: int, prefix_bytes_per_token: float = 0.0,
-                     actor_bytes_per_token: float = 0.0, old_from_actor_groups: int = 0) -> StepGraph:
+                     actor_bytes_per_token: float = 0.0, old_from_actor_groups: int = 0,
+                     actor_prefixes_movable: bool = True) -> StepGraph:
     """The task graph of one step.
 
     Args:
@@ -129,6 +130,9 @@ def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_s
             prefix (KV cache) / an actor prefix with its autograd graph.
         old_from_actor_groups: the first this-many groups take their old-policy log-probs from the
             actor's own forward in the first mini-batch (``runtime/old_policy.py``): no old tasks.
+        actor_prefixes_movable: False when the first mini-batch's actor prefixes run before decode
+            (their KV caches handed to the rollout, ``schedule.prefill_from_actor``): not the
+            planner's to place.
 
     Raises:
         ValueError: no groups, or ``mini_batch_groups`` < 1.
@@ -153,7 +157,7 @@ def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_s
                        tokens=response_tokens, weights_version=v, frees=(prefix.name,)))
         if i < mini_batch_groups:  # the first optimizer step runs on the rollout's weights version
             g.add(Task(f"prefix/actor/g{i}", "prefix/actor", "train", i, tokens=tokens, weights_version=v,
-                       movable=True, creates_bytes=int(tokens * actor_bytes_per_token)))
+                       movable=actor_prefixes_movable, creates_bytes=int(tokens * actor_bytes_per_token)))
     g.add(Task("adv", "adv", "driver", deps=tuple(f"reward/g{i}" for i in range(num_groups)), weights_version=v))
     previous = "adv"
     for k in range(num_mini):

@@ -107,8 +107,16 @@ class PhasePlanner:
         self.total = total_share
         self.memory_budget_bytes = memory_budget_bytes
 
-    def plan(self, graph: StepGraph, cost: CostModel) -> WindowPlan:
-        """The placement for this step's decode window (see the module docstring)."""
+    def plan(self, graph: StepGraph, cost: CostModel, held_bytes: int = 0) -> WindowPlan:
+        """The placement for this step's decode window (see the module docstring). ``held_bytes``:
+        prefix-state bytes already kept across decode outside the plan (the actor prefixes handed
+        to the rollout), taken off the memory budget."""
+        budget = self.memory_budget_bytes
+        if budget is not None:
+            return PhasePlanner(self.total, max(0, budget - held_bytes))._plan(graph, cost)
+        return self._plan(graph, cost)
+
+    def _plan(self, graph: StepGraph, cost: CostModel) -> WindowPlan:
         movable = graph.movable()
         kinds = {t.kind for t in movable}
         split = (max(1, (self.total + 1) // 2), self.total // 2)

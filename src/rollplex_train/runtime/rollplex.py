@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -93,7 +94,39 @@ class RollplexSchedule(SerialSchedule):
         self.response_tokens, self.decode_steps = int(state["response_tokens"]), int(state["decode_steps"])
         self.bytes_per_token = {k: float(v) for k, v in state["bytes_per_token"].items()}
 
-    def _plan(self, step_prompts) -> WindowPlan:
+    def _prefill_groups(self, step_prompts) -> list[int]:
+        """The groups whose actor prefixes are encoded before decode and handed to the rollout
+        (``schedule.prefill_from_actor``): the first mini-batch's (encoded under the rollout's
+        weights, as the first optimizer step needs them), none when off or when their states would
+        not fit the memory budget (``schedule.prefix_memory_gib``, per DP rank) across decode."""
+        cfg, prompts = self.cfg, step_prompts.prompts
+        if cfg.schedule.prefill_from_actor == "false" or not cfg.prefill_from_actor_possible():
+            return []
+        first = list(range(min(len(prompts), self.groups_per_mini_batch(len(prompts)))))
+        budget = self.planner.memory_budget_bytes
+        if budget is not None:
+            per_dp = [sum(prompts[g].prompt_length for g in first if step_prompts.rank_of_group[g] == dp)
+                      for dp in range(len(step_prompts.groups_of_dp))]
+            if budget == 0 or max(per_dp) * self.bytes_per_token.get("actor", 0.0) > budget:
+                return []
+        return first
+
+    def _prefill_before_decode(self, step_prompts, groups: list[int], t: dict[str, float]):
+        """Encode the actor prefixes of ``groups`` (with their graph, kept for the update) on the
+        whole device before decode; returns (global group index -> the state without its graph, for
+        the rollout engine, and the call's results in ``_observe``'s form)."""
+        if not groups:
+            return None, []
+        with self.timeline.span("prefix_before", "train", t):
+            out = self.workers.train.precompute_prefixes(step_prompts, groups, ["actor"], self.weights_version,
+                                                         export=True).result()
+        prefixes = {}
+        for dp, result in out:
+            mine = [g for g in groups if step_prompts.rank_of_group[g] == dp]
+            prefixes.update(zip(mine, result.pop("prefix/states")))
+        return prefixes, out
+
+    def _plan(self, step_prompts, handed: list[int] = ()) -> WindowPlan:
         """One window plan per DP rank over its own groups (each device decodes and encodes only
         its groups), merged: the window and after tasks of every rank (global group indices, in
         run order), the shares and predictions of the rank with the longest predicted window (all
@@ -104,7 +137,9 @@ class RollplexSchedule(SerialSchedule):
             if not groups:
                 continue
             first = sum(g < mini for g in groups)  # this rank's groups in the first mini-batch
-            plan = self.planner.plan(self._graph([step_prompts.prompts[g] for g in groups], first), self.cost)
+            held = sum(step_prompts.prompts[g].prompt_length for g in groups if g in handed)
+            graph = self._graph([step_prompts.prompts[g] for g in groups], first, actor_movable=not handed)
+            plan = self.planner.plan(graph, self.cost, int(held * self.bytes_per_token.get("actor", 0.0)))
             keep = (lambda n: first > 0 or "/actor/" not in n)  # no actor prefix ahead of a foreign step
             plans.append(replace(plan, window_tasks=_globalise([n for n in plan.window_tasks if keep(n)], groups),
                                  after_tasks=_globalise([n for n in plan.after_tasks if keep(n)], groups)))
@@ -113,10 +148,10 @@ class RollplexSchedule(SerialSchedule):
                        after_tasks=_run_order([t for p in plans for t in p.after_tasks]),
                        window_bytes=max(p.window_bytes for p in plans))
 
-    def _graph(self, prompts: list[PromptSample], first_groups: int):
+    def _graph(self, prompts: list[PromptSample], first_groups: int, actor_movable: bool = True):
         """The task graph of one DP rank's groups; the first ``first_groups`` of them belong to the
-        first global mini-batch (their actor prefixes may run in the window; with the old-policy
-        reuse they need no old-policy prefix)."""
+        first global mini-batch (their actor prefixes may run in the window, unless they run before
+        decode: ``actor_movable=False``; with the old-policy reuse they need no old-policy prefix)."""
         cfg = self.cfg
         return build_step_graph(
             [p.prompt_length for p in prompts], self.response_tokens, decode_steps=self.decode_steps,
@@ -125,6 +160,7 @@ class RollplexSchedule(SerialSchedule):
             prefix_bytes_per_token=max(self.bytes_per_token.get("old", 0.0), self.bytes_per_token.get("ref", 0.0)),
             actor_bytes_per_token=self.bytes_per_token.get("actor", 0.0),
             old_from_actor_groups=first_groups if self.old_from_actor else 0,
+            actor_prefixes_movable=actor_movable,
         )
 
     def _set_share(self, wanted: tuple[int, int], current: tuple[int, int], t: dict[str, float]) -> tuple[int, int]:
@@ -150,17 +186,20 @@ class RollplexSchedule(SerialSchedule):
         ``rollout.max_batch_size`` sequences — is given up."""
         return self.cfg.schedule.stream_suffix and self.workers.threads > 1 and not self.cfg.rollout.ignore_eos
 
-    def _serial_rollout(self, plan: WindowPlan, step_prompts, step: int, t: dict[str, float]):
+    def _serial_rollout(self, plan: WindowPlan, step_prompts, step: int, t: dict[str, float],
+                        prefixes: Optional[dict], before: list):
         """A step whose plan overlaps nothing (after the whole-device calibration steps) and whose
-        decode has no tail to use: the serial schedule's own rollout phase (one ``generate`` call),
-        so that the step costs what the serial schedule's does; the prefixes run inside the later
-        phases, as there. The decode rate still feeds the cost model."""
+        decode has no tail to use: the serial schedule's own rollout phase (one ``generate`` call,
+        from the handed-over ``prefixes`` where there are some), so that the step costs what the
+        serial schedule's does; the other prefixes run inside the later phases, as there. The
+        decode rate still feeds the cost model."""
         self.streamed = {"actor": {}, "ref": {}}
         gen_start = self.timeline.now()
-        responses, metrics = super().rollout_phase(step_prompts, step, t)
+        responses, metrics = super().rollout_phase(step_prompts, step, t, prefixes)
         gen_end = self.timeline.now()
-        self._observe(responses, [], self.workers.rollout.decode_stats(), len(step_prompts.prompts))
-        metrics.update(self._metrics(plan, [], gen_start, gen_end))
+        self._observe(responses, before, self.workers.rollout.decode_stats(), len(step_prompts.prompts))
+        metrics.update(self._metrics(plan, [r for _, r in before], gen_start, gen_end))
+        metrics["rollplex/prefill_from_actor_groups"] = float(len(prefixes or ()))
         metrics.update({"rollplex/prefix_hidden_frac": 0.0, "rollplex/serial_step": 1.0,
                         "rollplex/tail_groups": 0.0})
         return responses, metrics
@@ -168,10 +207,12 @@ class RollplexSchedule(SerialSchedule):
     def rollout_phase(self, step_prompts, step: int, t: dict[str, float]):
         w, tl, total = self.workers, self.timeline, self.workers.threads
         prompts = step_prompts.prompts
-        plan = self.last_plan = self._plan(step_prompts)
+        handed = self._prefill_groups(step_prompts)
+        plan = self.last_plan = self._plan(step_prompts, handed)
+        prefixes, before = self._prefill_before_decode(step_prompts, handed, t)
         # profile_serial steps measure the prefix rates on the whole device: they keep the rollplex path
         if plan.mode != "profile_serial" and not plan.overlaps and not self.decode_tail_possible():
-            return self._serial_rollout(plan, step_prompts, step, t)
+            return self._serial_rollout(plan, step_prompts, step, t, prefixes, before)
         full = (total, total)
         split = (plan.decode_share, plan.train_share) if plan.overlaps else w.halves()
         stream_suffix = self.cfg.schedule.stream_suffix and total > 1 and plan.mode != "profile_serial"
@@ -185,7 +226,8 @@ class RollplexSchedule(SerialSchedule):
         share = self._set_share(split if plan.overlaps else full, full, t)
         with tl.span("gen", "rollout", t):
             gen_start = tl.now()
-            stream = w.rollout.generate_stream(step_prompts, sampling_params(self.cfg, step), self.weights_version)
+            stream = w.rollout.generate_stream(step_prompts, sampling_params(self.cfg, step), self.weights_version,
+                                               prefixes)
             window = self._submit(step_prompts, prefix_calls(plan.window_tasks)) if plan.overlaps else []
             pending, decoding = list(window), True
             while decoding:
@@ -217,12 +259,13 @@ class RollplexSchedule(SerialSchedule):
                        if n.split("/")[1] == "actor" or int(n.split("/")[2][1:]) not in self.streamed[tail_role[n.split("/")[1]]]]
         with tl.span("prefix_after", "train", t):
             after = get_all(self._submit(step_prompts, prefix_calls(after_tasks)))
-        results = [r for per_dp in get_all(window) + after for r in per_dp]  # (dp, result dict)
+        results = [r for per_dp in [before] + get_all(window) + after for r in per_dp]  # (dp, result dict)
         responses = [r for i in range(len(prompts)) for r in groups[i]]
         self._observe(responses, results, w.rollout.decode_stats(), len(prompts))
         metrics = self._metrics(plan, [r for _, r in results], gen_start, gen_end)
         metrics["rollplex/tail_groups"] = float(max(len(v) for v in self.streamed.values()))
         metrics["rollplex/serial_step"] = 0.0
+        metrics["rollplex/prefill_from_actor_groups"] = float(len(handed))
         return responses, metrics
 
     def _collect_tail(self, tail: list, wait: bool) -> None:

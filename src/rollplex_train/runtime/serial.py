@@ -12,6 +12,8 @@ moved. With ``sharing.enabled=false`` the state dict is pickled through Ray and 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from rollplex_train.algo.rewards import RewardManager
@@ -94,12 +96,13 @@ class SerialSchedule:
         mini = self.cfg.actor.ppo_mini_batch_size
         return mini if mini > 0 else num_prompts
 
-    def rollout_phase(self, step_prompts, step: int, t: dict[str, float]):
+    def rollout_phase(self, step_prompts, step: int, t: dict[str, float], prefixes: Optional[dict] = None):
         """Decode the step's responses (timed as ``gen``); the serial schedule does nothing else
-        meanwhile. Returns (responses, extra metrics)."""
+        meanwhile. ``prefixes``: KV caches the engines decode from instead of prefilling
+        (``RolloutGroup.generate``). Returns (responses, extra metrics)."""
         with self.timeline.span("gen", "rollout", t):
             responses = self.workers.rollout.generate(step_prompts, sampling_params(self.cfg, step),
-                                                      self.weights_version).result()
+                                                      self.weights_version, prefixes).result()
         return responses, {}
 
     def state_dict(self) -> dict:

@@ -92,9 +92,11 @@ class TrainEngine(abc.ABC):
         Increments ``weights_version`` by one.
         """
 
-    def precompute_prefixes(self, prompts, roles: list[str], weights_version: int) -> dict[str, float]:
+    def precompute_prefixes(self, prompts, roles: list[str], weights_version: int,
+                            export: bool = False) -> dict[str, float]:
         """Encode prompt prefixes ahead of their suffix passes (``schedule=rollplex``); returns
-        ``prefix/*`` metrics including ``prefix/seconds``.
+        ``prefix/*`` metrics including ``prefix/seconds`` (and, with ``export``, ``prefix/states``:
+        the last role's states without their graph, for the rollout engine to decode from).
 
         Raises:
             NotImplementedError: the backend has no prefix/suffix decomposition.

@@ -177,19 +177,25 @@ class TorchTrainEngine(TrainEngine):
                                                    freeze_vision=self.model_cfg.freeze_vision_tower)
                 self.prefixes.put(store_role, state)
 
-    def precompute_prefixes(self, prompts, roles: list[str], weights_version: int) -> dict[str, float]:
+    def precompute_prefixes(self, prompts, roles: list[str], weights_version: int,
+                            export: bool = False) -> dict[str, float]:
         """Encode the prefixes of ``prompts`` for later suffix passes (the decode-window work).
 
         Args:
             roles: any of ``ref`` (reference), ``old`` (old-policy log-probs), ``actor`` (with the
                 autograd graph, for the first mini-batch of the next update).
             weights_version: the version the caller expects (the rollout's).
+            export: also return ``prefix/states``, the last role's states of ``prompts`` in order,
+                detached (``PrefixState.detached``; they share the stored tensors): an ``old`` or
+                ``actor`` state is the prompt's KV cache under the rollout's weights, which the
+                rollout engine decodes from instead of prefilling (``schedule.prefill_from_actor``).
 
         Returns:
             ``prefix/<role>/seconds`` (wall time of that role's encoding), ``prefix/<role>/tokens``
             (prompt tokens encoded), ``prefix/start_time``/``prefix/end_time`` (``time.perf_counter``
             of this process: CLOCK_MONOTONIC, comparable with the driver's on one machine),
-            ``prefix/threads``, and ``prefix/bytes_held``/``prefix/num_states`` after the call.
+            ``prefix/threads``, and ``prefix/bytes_held``/``prefix/num_states`` after the call;
+            with ``export``, ``prefix/states`` (recorded under ``weights_version``).
 
         Raises:
             StalePrefixError: ``weights_version`` differs from this engine's.
@@ -207,6 +213,11 @@ class TorchTrainEngine(TrainEngine):
             self._encode(prompts, role)
             out[f"prefix/{role}/seconds"] = time.perf_counter() - begin
             out[f"prefix/{role}/tokens"] = float(sum(p.prompt_length for p in prompts))
+        if export:
+            role = roles[-1]
+            version = self._prefix_version(role)
+            out["prefix/states"] = [self.prefixes.take(p.uid, role, version).detached(weights_version)
+                                    for p in prompts]
         out.update({"prefix/end_time": time.perf_counter(), "prefix/bytes_held": float(self.prefixes.bytes_held),
                     "prefix/num_states": float(len(self.prefixes))})
         out["prefix/seconds"] = out["prefix/end_time"] - start
