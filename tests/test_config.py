@@ -66,6 +66,7 @@ def test_misspelt_key_is_an_error(override):
         # the KV caches come from the rollplex schedule's prefix passes and go to the built-in engine only
         ("schedule.prefill_from_actor=true schedule.name=serial", "schedule.prefill_from_actor"),
         ("schedule.prefill_from_actor=true rollout.name=sglang", "schedule.prefill_from_actor"),
+        ("schedule.prefill_from_actor=true schedule.prefix_memory_gib=0", "schedule.prefill_from_actor"),
     ],
 )
 def test_bad_value_names_the_key(override, message):

@@ -408,7 +408,8 @@ class ScheduleConfig:
     hand their KV caches to the rollout engine, which then skips its own prefill of those prompts
     (one vision + prompt pass per group fewer). ``auto``: where it can run (``schedule.name=rollplex``,
     ``rollout.name=builtin``, ``actor.backend=torch``, and the states fit ``prefix_memory_gib``);
-    ``true``: required (a config error where it cannot run); ``false``: off."""
+    ``true``: required (a config error where it cannot run, a run error when the states outgrow the
+    budget); ``false``: off."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule", "name", self.name, SCHEDULES)
@@ -494,8 +495,9 @@ class Config:
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
         if self.schedule.prefill_from_actor == "true" and not self.prefill_from_actor_possible():
-            raise ValueError(f"schedule.prefill_from_actor=true needs schedule.name=rollplex, rollout.name=builtin "
-                             f"and actor.backend=torch (got {self.schedule.name}, {r.name}, {a.backend})")
+            raise ValueError(f"schedule.prefill_from_actor=true needs schedule.name=rollplex, rollout.name=builtin, "
+                             f"actor.backend=torch and a schedule.prefix_memory_gib above 0 (got {self.schedule.name}, "
+                             f"{r.name}, {a.backend}, {self.schedule.prefix_memory_gib})")
         mini = self.actor.ppo_mini_batch_size
         if mini > 0 and self.data.rollout_batch_size % mini != 0:
             raise ValueError(
@@ -509,9 +511,11 @@ class Config:
 
     def prefill_from_actor_possible(self) -> bool:
         """Whether the rollout can decode from the actor's prefix KV caches (``schedule.prefill_from_actor``):
-        the rollplex schedule encodes them, the torch backend's states are whole (not TP shards) and the
-        built-in engine accepts them (SGLang prefills every prompt itself)."""
-        return self.schedule.name == "rollplex" and self.rollout.name == "builtin" and self.actor.backend == "torch"
+        the rollplex schedule encodes them, the torch backend's states are whole (not TP shards), the
+        built-in engine accepts them (SGLang prefills every prompt itself) and prefix state may stay
+        alive across decode (``schedule.prefix_memory_gib`` not 0)."""
+        return (self.schedule.name == "rollplex" and self.rollout.name == "builtin" and self.actor.backend == "torch"
+                and self.schedule.prefix_memory_gib != 0)
 
 
 def register_configs() -> None:

@@ -107,7 +107,12 @@ class RollplexSchedule(SerialSchedule):
         if budget is not None:
             per_dp = [sum(prompts[g].prompt_length for g in first if step_prompts.rank_of_group[g] == dp)
                       for dp in range(len(step_prompts.groups_of_dp))]
-            if budget == 0 or max(per_dp) * self.bytes_per_token.get("actor", 0.0) > budget:
+            need = max(per_dp) * self.bytes_per_token.get("actor", 0.0)
+            if need > budget and cfg.schedule.prefill_from_actor == "true":
+                raise ValueError(f"schedule.prefill_from_actor=true: the first mini-batch's actor prefixes take "
+                                 f"{need / GIB:.2f} GiB across decode, over schedule.prefix_memory_gib="
+                                 f"{cfg.schedule.prefix_memory_gib}")
+            if need > budget:
                 return []
         return first
 
