@@ -399,7 +399,8 @@ class ScheduleConfig:
     name: str = "serial"
     prefix_memory_gib: Optional[float] = None
     """rollplex: most GiB of prefix state (KV caches, actor prefix activations) the planner may keep
-    alive from the decode window to the suffix passes (None: no limit)."""
+    alive from the decode window to the suffix passes, the actor prefixes encoded before decode for
+    ``prefill_from_actor`` included (None: no limit)."""
     stream_suffix: bool = True
     """rollplex: score the suffixes of groups whose responses are all finished while other groups
     still decode (the decode tail), on the planner's split of the device."""
