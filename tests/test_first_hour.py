@@ -328,3 +328,12 @@ def test_docs_speak_of_the_project_only():
     hits = [f"{path.name}:{n}" for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
+    from rollplex_train.runtime.rollplex import PrefillBudgetError
+
+    with pytest.raises(SystemExit) as end:
+        with _run_errors(_Trainer(4, Path("/runs/x/checkpoints/global_step_3"))):
+            raise PrefillBudgetError("schedule.prefill_from_actor=true: over schedule.prefix_memory_gib=0.1")
+    assert end.value.code == 2
+    assert capsys.readouterr().err == ("rollplex-train: error: schedule.prefill_from_actor=true: over "
+                                       "schedule.prefix_memory_gib=0.1 (at step 4; last checkpoint "
+                                       "/runs/x/checkpoints/global_step_3)\n")

@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from rollplex_train.cli import conf_dir
 from rollplex_train.config import register_configs, to_config
 from rollplex_train.runtime.planner import PhasePlanner
-from rollplex_train.runtime.rollplex import GIB, RollplexSchedule
+from rollplex_train.runtime.rollplex import GIB, PrefillBudgetError, RollplexSchedule
 
 
 def _schedule(*overrides: str, bytes_per_token: float = 0.0) -> RollplexSchedule:
@@ -35,14 +35,16 @@ def _step(prompt_lengths: list[int], ranks: list[int]) -> SimpleNamespace:
                            groups_of_dp=[[g for g, r in enumerate(ranks) if r == d] for d in range(dp)])
 
 
-def test_first_mini_batch_is_handed_over_within_the_budget():
+def test_first_mini_batch_is_handed_over_within_the_budget(caplog):
     step = _step([100, 100, 100, 100], [0, 1, 0, 1])  # 2 DP ranks, one first-mini-batch group each
     assert _schedule()._prefill_groups(step) == [0, 1]
     # 100 tokens x 1 MiB per rank: within 0.2 GiB, not within 0.05 GiB
     fits = _schedule("schedule.prefix_memory_gib=0.2", bytes_per_token=2**20)
     assert fits._prefill_groups(step) == [0, 1]
     over = _schedule("schedule.prefix_memory_gib=0.05", bytes_per_token=2**20)
-    assert over._prefill_groups(step) == []
+    assert over._prefill_groups(step) == [] and over._prefill_groups(step) == []
+    said = [r.getMessage() for r in caplog.records if "prefill_from_actor=auto" in r.getMessage()]
+    assert len(said) == 1 and "schedule.prefix_memory_gib=0.05" in said[0]  # said once, not every step
     assert _schedule("schedule.prefill_from_actor=false")._prefill_groups(step) == []
     assert _schedule("schedule.prefix_memory_gib=0")._prefill_groups(step) == []  # nothing may live across decode
 
@@ -50,5 +52,5 @@ def test_first_mini_batch_is_handed_over_within_the_budget():
 def test_required_handover_over_the_budget_is_an_error():
     step = _step([100, 100, 100, 100], [0, 0, 0, 0])
     required = _schedule("schedule.prefill_from_actor=true", "schedule.prefix_memory_gib=0.1", bytes_per_token=2**20)
-    with pytest.raises(ValueError, match="schedule.prefix_memory_gib=0.1"):
+    with pytest.raises(PrefillBudgetError, match=r"take 0.195 GiB across decode, over schedule.prefix_memory_gib=0.1"):
         required._prefill_groups(step)

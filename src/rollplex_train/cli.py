@@ -44,10 +44,12 @@ def _run_errors(trainer):
     """Around ``Trainer.fit``: Ctrl-C (SIGINT) ends the run with one line naming the last
     checkpoint and exit code 130 (128 + SIGINT, the shell's convention); a reward function that
     fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1;
-    data that stops yielding full batches (rows found bad only when loaded) with one line and exit
+    data that stops yielding full batches (rows found bad only when loaded) and required actor
+    prefixes over the memory budget (``schedule.prefill_from_actor=true``) with one line and exit
     code 2."""
     from rollplex_train.algo.rewards import RewardFailure
     from rollplex_train.data.loader import NoBatchError
+    from rollplex_train.runtime.rollplex import PrefillBudgetError
 
     try:
         yield
@@ -62,6 +64,11 @@ def _run_errors(trainer):
         raise SystemExit(1) from None
     except NoBatchError as err:
         sys.stderr.write(f"rollplex-train: error: {err}\n")
+        raise SystemExit(2) from None
+    except PrefillBudgetError as err:
+        last = trainer.last_checkpoint()
+        sys.stderr.write(f"rollplex-train: error: {err} (at step {trainer.step}; "
+                         f"{'last checkpoint ' + str(last) if last is not None else 'no checkpoint was written'})\n")
         raise SystemExit(2) from None
 
 

@@ -410,7 +410,8 @@ class ScheduleConfig:
     (one vision + prompt pass per group fewer). ``auto``: where it can run (``schedule.name=rollplex``,
     ``rollout.name=builtin``, ``actor.backend=torch``, and the states fit ``prefix_memory_gib``);
     ``true``: required (a config error where it cannot run, a run error when the states outgrow the
-    budget); ``false``: off."""
+    budget); ``false``: off. The states' bytes per token are measured by the first step, so the
+    budget applies from the second step on."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule", "name", self.name, SCHEDULES)

@@ -20,6 +20,7 @@ prefixes.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from dataclasses import replace
@@ -36,6 +37,13 @@ from rollplex_train.runtime.protocol import get_all, wait_first
 from rollplex_train.runtime.serial import SerialSchedule, sampling_params
 
 GIB = 1024**3
+
+log = logging.getLogger(__name__)
+
+
+class PrefillBudgetError(ValueError):
+    """``schedule.prefill_from_actor=true`` but the first mini-batch's actor prefixes would outgrow
+    ``schedule.prefix_memory_gib`` across decode (the CLI reports it on one line with the last checkpoint)."""
 
 
 def prefix_calls(task_names: list[str]) -> list[tuple[str, list[int]]]:
@@ -107,12 +115,15 @@ class RollplexSchedule(SerialSchedule):
         if budget is not None:
             per_dp = [sum(prompts[g].prompt_length for g in first if step_prompts.rank_of_group[g] == dp)
                       for dp in range(len(step_prompts.groups_of_dp))]
-            need = max(per_dp) * self.bytes_per_token.get("actor", 0.0)
-            if need > budget and cfg.schedule.prefill_from_actor == "true":
-                raise ValueError(f"schedule.prefill_from_actor=true: the first mini-batch's actor prefixes take "
-                                 f"{need / GIB:.2f} GiB across decode, over schedule.prefix_memory_gib="
-                                 f"{cfg.schedule.prefix_memory_gib}")
+            need = max(per_dp) * self.bytes_per_token.get("actor", 0.0)  # 0 until the first step measured it
             if need > budget:
+                what = (f"the first mini-batch's actor prefixes take {need / GIB:.3g} GiB across decode, over "
+                        f"schedule.prefix_memory_gib={cfg.schedule.prefix_memory_gib}")
+                if cfg.schedule.prefill_from_actor == "true":
+                    raise PrefillBudgetError(f"schedule.prefill_from_actor=true: {what}")
+                if not getattr(self, "_told_budget", False):
+                    log.warning("schedule.prefill_from_actor=auto: %s; the rollout prefills those prompts itself", what)
+                    self._told_budget = True
                 return []
         return first
 
