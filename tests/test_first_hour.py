@@ -187,6 +187,7 @@ def test_interrupt_and_reward_failure_end_in_one_line(capsys):
     from rollplex_train.algo.rewards import RewardFailure
     from rollplex_train.cli import _run_errors
     from rollplex_train.data.loader import NoBatchError
+    from rollplex_train.runtime.rollplex import PrefillBudgetError
 
     with pytest.raises(SystemExit) as end:
         with _run_errors(_Trainer(7, Path("/runs/x/checkpoints/global_step_5"))):
@@ -208,6 +209,13 @@ def test_interrupt_and_reward_failure_end_in_one_line(capsys):
             raise NoBatchError("data.train_files: epoch 0 of split 'train' gave no batch of 4")
     assert end.value.code == 2
     assert capsys.readouterr().err == "rollplex-train: error: data.train_files: epoch 0 of split 'train' gave no batch of 4\n"
+    with pytest.raises(SystemExit) as end:
+        with _run_errors(_Trainer(4, Path("/runs/x/checkpoints/global_step_3"))):
+            raise PrefillBudgetError("schedule.prefill_from_actor=true: over schedule.prefix_memory_gib=0.1")
+    assert end.value.code == 2
+    assert capsys.readouterr().err == ("rollplex-train: error: schedule.prefill_from_actor=true: over "
+                                       "schedule.prefix_memory_gib=0.1 (at step 4; last checkpoint "
+                                       "/runs/x/checkpoints/global_step_3)\n")
 
 
 def test_media_and_length_checked_up_front(tmp_path, tiny_tokenizer, caplog):
@@ -328,12 +336,3 @@ def test_docs_speak_of_the_project_only():
     hits = [f"{path.name}:{n}" for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
             for n, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert hits == []
-    from rollplex_train.runtime.rollplex import PrefillBudgetError
-
-    with pytest.raises(SystemExit) as end:
-        with _run_errors(_Trainer(4, Path("/runs/x/checkpoints/global_step_3"))):
-            raise PrefillBudgetError("schedule.prefill_from_actor=true: over schedule.prefix_memory_gib=0.1")
-    assert end.value.code == 2
-    assert capsys.readouterr().err == ("rollplex-train: error: schedule.prefill_from_actor=true: over "
-                                       "schedule.prefix_memory_gib=0.1 (at step 4; last checkpoint "
-                                       "/runs/x/checkpoints/global_step_3)\n")
