@@ -69,7 +69,7 @@ class RolloutEngine(abc.ABC):
         Args:
             prefixes: None, or per prompt a ``models.prefix.PrefixState`` (no graph) holding its KV
                 cache under the engine's weights version, or None for a prompt the engine prefills
-                itself. Only engines with ``accepts_prefixes`` take them.
+                itself. Engines that prefill every prompt themselves (SGLang) raise ValueError.
 
         Raises:
             StaleWeightsError: ``weights_version`` is given and differs from the engine's, or a
@@ -77,10 +77,6 @@ class RolloutEngine(abc.ABC):
             RuntimeError: the engine's memory is released.
             ValueError: ``prefixes`` given to an engine that prefills prompts itself.
         """
-
-    accepts_prefixes: bool = False
-    """Whether ``generate(prefixes=...)`` can decode from KV caches encoded elsewhere (the built-in
-    engine); SGLang prefills every prompt itself."""
 
     @abc.abstractmethod
     def update_weights(self, named_tensors: "dict[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]",

@@ -2,8 +2,9 @@
 
 Per request: each of the P prompts is prefilled once (``models/prefix.encode_prefix``, the training
 side's prefix pass, vision encoded once per prompt; or its KV cache is handed in, already encoded by
-the actor from the same weights), the caches are left-padded into one batch and repeated ``n`` times along the batch (the n responses of a prompt share its prefill, as
-SGLang's radix cache does), then tokens are decoded for all live sequences together. Finished
+the actor from the same weights), the caches are left-padded into one batch and repeated ``n``
+times along the batch (the n responses of a prompt share its prefill, as SGLang's radix cache
+does), then tokens are decoded for all live sequences together. Finished
 sequences are dropped from the cache, so the decode batch shrinks along the long tail.
 
 Sampling follows the usual order: logits / temperature -> top-k -> top-p -> a draw by inverse CDF
@@ -120,8 +121,6 @@ class BuiltinRolloutEngine(RolloutEngine):
         self.weights_version = 0
         self._released = False
         self._shared = None  # sharing.ipc.SharedWeights once map_shared_weights ran
-
-    accepts_prefixes = True
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None

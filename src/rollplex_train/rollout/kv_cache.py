@@ -3,8 +3,8 @@
 transformers' ``DynamicCache`` grows each layer's keys and values with ``torch.cat`` at every decode
 step, which copies the whole cache per step: O(L^2) bytes over a response of L tokens
 (``aten::cat`` is the largest single op of a CPU decode under ``torch.profiler``). This cache
-writes each step's keys and values into a buffer sized for the prompt plus every new token and hands attention a view of the
-filled part, so each step copies only its own token.
+writes each step's keys and values into a buffer sized for the prompt plus every new token and
+hands attention a view of the filled part, so each step copies only its own token.
 
 The view holds the same numbers in the same order as the concatenated tensor (only its batch and
 head strides differ), so attention sees identical inputs: sampled tokens and log-probs are
