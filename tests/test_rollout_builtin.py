@@ -256,6 +256,13 @@ def test_handed_in_prefixes_give_the_engines_own_results(fresh_engine, mixed_pro
         got = fresh_engine.generate(mixed_prompts, params, prefixes=prefixes)
         assert _tokens(got) == _tokens(own)
         assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(got, own))
+    # the engine decodes from what it is handed, not from a prefill of its own: a changed state changes
+    # the first prompt's responses and only those
+    changed = given[0].detached()
+    changed.last_hidden = changed.last_hidden + 1.0
+    got = fresh_engine.generate(mixed_prompts, params, prefixes=[changed, given[1], given[2]])
+    assert not torch.equal(got[0].logprobs[:1], own[0].logprobs[:1])
+    assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(got[3:], own[3:]))
     with pytest.raises(StaleWeightsError, match="version 7"):
         fresh_engine.generate(mixed_prompts, params, prefixes=[states[0].detached(), None, None])
     with pytest.raises(StaleWeightsError, match="for prompt"):
