@@ -30,6 +30,7 @@ from rollplex_train.models.prefix import PrefixState, encode_prefix
 from rollplex_train.models.sequence import pad_prompts
 from rollplex_train.device import compute_context, model_device
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
+from rollplex_train.rollout.decoder import FusedDecoder
 from rollplex_train.rollout.kv_cache import PreallocatedCache
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,9 @@ class BuiltinRolloutEngine(RolloutEngine):
         self.weights_version = 0
         self._released = False
         self._shared = None  # sharing.ipc.SharedWeights once map_shared_weights ran
+        self.fused_decode_unsupported = FusedDecoder.unsupported(self.model, self.device, compute_dtype)
+        if self.fused_decode_unsupported:
+            log.info("decode steps run transformers' forward (%s)", self.fused_decode_unsupported)
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
@@ -296,6 +300,8 @@ class BuiltinRolloutEngine(RolloutEngine):
                              finish_reason=finish[seq])
                     for seq in range(index * n, (index + 1) * n)]
 
+        # this request's weights, q/k/v and gate/up fused (rollout/decoder.py: bitwise the same forward)
+        decoder = None if self.fused_decode_unsupported else FusedDecoder(model)
         tick = self._account(tick, 1)  # the prefill is charged as the first step
         for step in range(params.max_new_tokens):
             with compute_context(dev, self.compute_dtype):
@@ -341,10 +347,13 @@ class BuiltinRolloutEngine(RolloutEngine):
                 num_real, deltas = num_real[sel], deltas[sel]
             mask = torch.cat([mask, torch.ones(len(alive), 1, dtype=torch.long, device=dev)], dim=1)
             pos = (num_real.view(-1, 1) + deltas).view(1, -1, 1).expand(3, -1, -1)
-            with compute_context(dev, self.compute_dtype):
-                out = model.model(input_ids=next_tok.view(-1, 1), attention_mask=mask, position_ids=pos,
-                                  cache=cache, use_cache=True)
-            last_hidden = out.last_hidden_state[:, -1]
+            if decoder is not None:
+                last_hidden = decoder.step(next_tok, mask, pos, cache)
+            else:
+                with compute_context(dev, self.compute_dtype):
+                    out = model.model(input_ids=next_tok.view(-1, 1), attention_mask=mask, position_ids=pos,
+                                      cache=cache, use_cache=True)
+                last_hidden = out.last_hidden_state[:, -1]
             num_real = num_real + 1
             tick = self._account(tick, 1)
 
