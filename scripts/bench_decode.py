@@ -25,6 +25,7 @@ import time
 import torch
 
 from rollplex_train.bench.peers import compose_config
+from rollplex_train.cli import conf_dir
 from rollplex_train.data.dataset import PromptDataset
 from rollplex_train.models.loading import load_tokenizer
 from rollplex_train.rollout.base import SamplingParams
@@ -37,6 +38,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    if args.rounds < 1:
+        sys.exit(f"--rounds={args.rounds}: expected at least 1")
+    for workload in args.workloads.split(","):
+        if not (conf_dir() / "experiment" / f"{workload}.yaml").is_file():
+            sys.exit(f"--workloads: no experiment {workload!r} in {conf_dir() / 'experiment'}")
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
     ratios, same = {}, True
