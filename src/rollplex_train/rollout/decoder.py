@@ -13,9 +13,7 @@ other columns it computes (MKL/oneDNN on CPU: each output element is the same K-
 hidden states are bitwise those of the transformers forward (tests/test_rollout_decoder.py compares
 them, padded and unpadded, on the tiny checkpoint), and so are the sampled tokens.
 
-Measured on this project's 2-core CPU machine (small checkpoint, 2 threads, 100 steps, best of 3):
-32 sequences over a 313-token prompt 35.5 -> 29.6 ms per step, 64 over 44 tokens 38.0 -> 35.5
-(docs/benchmarks.md has the end-to-end effect).
+``scripts/bench_decode.py`` times the engine's ``generate`` with and without it (docs/benchmarks.md).
 
 Only where it is exactly that forward: a Qwen2.5-VL text decoder (``Qwen2_5_VLTextModel``), SDPA
 attention, no sliding-window layers, float32 compute on CPU. Elsewhere ``FusedDecoder.unsupported``
