@@ -153,10 +153,12 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
                 # nothing fits the window and no tail can form (every response runs to
                 # max_new_tokens): after profiling, the step is the serial schedule's own
                 "serial+ignore_eos": ["rollout.ignore_eos=true"],
-                "rollplex+serial_step": ["schedule.prefix_memory_gib=0", "rollout.ignore_eos=true"]}
+                "rollplex+serial_step": ["schedule.prefix_memory_gib=0", "rollout.ignore_eos=true"],
+                # reference suffix chunks of 4 tokens beside the decode (the calibration step 3)
+                "rollplex+chunks": ["rollout.ignore_eos=true", "schedule.suffix_chunk_tokens=4"]}
     for schedule, extra in variants.items():
         out = tmp_path / schedule
-        steps = 4 if schedule.endswith("ignore_eos") or schedule.endswith("serial_step") else 3  # planned from step 4
+        steps = 4 if schedule.endswith(("ignore_eos", "serial_step", "chunks")) else 3  # planned from step 4
         proc = run_cli(out, *common, f"schedule={schedule.split('+')[0]}", f"trainer.total_steps={steps}",
                        f"trainer.trace_steps=[{steps}]", *extra)
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -181,8 +183,12 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
         for name, value in w_serial.items():
             assert (w_other[name] - value).abs().max() <= 1e-5, (schedule, name)
     same = runs["serial+ignore_eos"][1]
-    for name, value in runs["rollplex+serial_step"][1].items():
-        assert (same[name] - value).abs().max() <= 1e-5, name
+    for variant in ("rollplex+serial_step", "rollplex+chunks"):
+        for name, value in runs[variant][1].items():
+            assert (same[name] - value).abs().max() <= 1e-5, (variant, name)
+    chunked = runs["rollplex+chunks"][0]
+    assert chunked[2]["rollplex/suffix_chunks"] > 0 and chunked[2]["rollplex/suffix_chunks_s"] > 0
+    assert chunked[2]["timing_s/ref"] < runs["serial+ignore_eos"][0][2]["timing_s/ref"]  # only the last chunks left
     fallback = runs["rollplex+serial_step"][0]
     # steps 1-2 measure the prefixes on the whole device; step 3 would split an empty window
     assert [r["rollplex/serial_step"] for r in fallback] == [0.0, 0.0, 1.0, 1.0]

@@ -11,7 +11,7 @@ from rollplex_train.data.prompts import build_messages, render_prompt_ids
 from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.data.vision import patchify_images
 from rollplex_train.models.loading import load_model
-from rollplex_train.models.prefix import encode_prefix, score_suffix
+from rollplex_train.models.prefix import ChunkedSuffix, encode_prefix, score_suffix
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
 from rollplex_train.training.prefix_store import PrefixStore, StalePrefixError
 
@@ -132,3 +132,56 @@ def test_store_tracks_frees_and_refuses_other_versions(tiny_ckpt_qwen25, mixed_p
     for p in mixed_prompts[1:]:
         store.release(p.uid, "actor", 5)
     assert len(store) == 0 and store.bytes_held == 0
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("padded", [False, True])
+def test_chunked_suffix_is_bitwise_score_suffix(tiny_ckpt, mixed_prompts, threads, padded):
+    """The suffix pass run in chunks as tokens are decoded gives exactly score_suffix's numbers,
+    for each prompt kind, any chunking, on 1 and 2 threads (responses padded or all full width)."""
+    model = load_model(tiny_ckpt)
+    model.eval()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k, prompt in enumerate(mixed_prompts):
+            _, ids, mask = random_responses(1, 8, 20, seed=k)
+            if not padded:
+                mask, ids = torch.ones_like(mask), torch.randint(0, 800, ids.shape, generator=torch.Generator().manual_seed(k))
+            width = int(mask.sum(-1).max())
+            ids, mask = ids[:, :width], mask[:, :width]
+            with torch.no_grad():
+                state, = encode_prefix(model, [prompt], version=0)
+                expected, expected_ent = score_suffix(model, [state], torch.zeros(8, dtype=torch.long), ids, mask,
+                                                      temperature=0.7, with_entropy=True)
+            assert width >= 13, width  # room for chunks of >= MIN_CHUNK_TOKENS
+            for cuts in ([], [4], [width - 5], *(list(range(step, width - 4, step)) for step in (4, 5, 7))):
+                chunked = ChunkedSuffix(model, state, 8, width)
+                for cut in cuts:
+                    chunked.extend(ids[:, :cut], mask[:, :cut])
+                got, ent = chunked.log_probs(ids, mask, temperature=0.7, with_entropy=True)
+                assert torch.equal(got, expected), (prompt.task, cuts)
+                assert torch.equal(ent, expected_ent), (prompt.task, cuts)
+                assert chunked.scored == width - 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_chunked_suffix_refuses_out_of_order_chunks(tiny_ckpt_qwen25, mixed_prompts):
+    model = load_model(tiny_ckpt_qwen25)
+    with torch.no_grad():
+        state, = encode_prefix(model, mixed_prompts[:1], version=0)
+    chunked = ChunkedSuffix(model, state, 2, 12)
+    ids, mask = torch.ones(2, 12, dtype=torch.long), torch.ones(2, 12)
+    chunked.extend(ids[:, :4], mask[:, :4])
+    with pytest.raises(ValueError, match="expected 4 .. 11"):
+        chunked.extend(ids[:, :2], mask[:, :2])
+    with pytest.raises(ValueError, match="expected 4 .. 11"):
+        chunked.extend(ids, mask)
+    with pytest.raises(ValueError, match="chunk of 3 tokens"):
+        chunked.extend(ids[:, :7], mask[:, :7])
+    chunked.extend(ids[:, :8], mask[:, :8])
+    with pytest.raises(ValueError, match="chunk of 3 tokens"):  # the tail left to finish is too short
+        chunked.log_probs(ids, mask)
+    whole = ChunkedSuffix(model, state, 2, 3)  # a 2-token pass runs in one chunk
+    assert whole.extend(ids[:, :2], mask[:, :2]) == 2

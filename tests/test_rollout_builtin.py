@@ -10,6 +10,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from dataclasses import replace
+
+from rollplex_train.data.types import DecodeProgress
 from rollplex_train.models.sequence import build_full_sequences, rope_positions, vision_kwargs
 from rollplex_train.rollout.base import SamplingParams, StaleWeightsError, create_rollout_engine
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine, filter_logits
@@ -403,3 +406,22 @@ def test_rejected_weight_update_leaves_engine_unchanged(fresh_engine):
     assert fresh_engine.weights_version == 0
     for name, tensor in fresh_engine.model.state_dict().items():
         assert torch.equal(tensor, old[name]), f"{name} changed by a rejected update"
+
+
+def test_stream_reports_decode_progress_under_ignore_eos(fresh_engine, mixed_prompts):
+    """progress_every=k: every k decode steps (not after the last) one DecodeProgress per group
+    still decoding, holding the first tokens of its responses; the responses are unchanged.
+    Without ignore_eos (responses of different lengths) it is refused."""
+    params = SamplingParams(n=2, max_new_tokens=10, seed=5, ignore_eos=True)
+    items = list(fresh_engine.generate_stream(mixed_prompts, params, progress_every=4))
+    progress = [p for item in items for p in item if isinstance(p, DecodeProgress)]
+    responses = sorted((r for item in items for r in item if not isinstance(r, DecodeProgress)),
+                       key=lambda r: r.prompt_index)
+    assert _tokens(responses) == _tokens(fresh_engine.generate(mixed_prompts, params))
+    assert sorted((p.prompt_index, p.token_ids.shape[1]) for p in progress) == sorted(
+        (g, t) for g in range(3) for t in (4, 8))
+    for p in progress:
+        rows = [r for r in responses if r.prompt_index == p.prompt_index]
+        assert torch.equal(p.token_ids, torch.stack([r.token_ids[: p.token_ids.shape[1]] for r in rows]))
+    with pytest.raises(ValueError, match="needs ignore_eos"):
+        list(fresh_engine.generate_stream(mixed_prompts, replace(params, ignore_eos=False), progress_every=4))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -157,3 +158,42 @@ def test_cost_model_state_round_trips_through_json():
     assert restored.rates == cost.rates and restored.counts == cost.counts and restored.switch_s == cost.switch_s
     g = graph(num_groups=4, response=8000)
     assert PhasePlanner(2).plan(g, restored).__dict__ == PhasePlanner(2).plan(g, cost).__dict__
+
+
+def with_suffix(cost: CostModel, suffix_f: float, rate: float = 1e-3) -> CostModel:
+    """``cost`` with reference suffix chunk rates at 1 and 2 threads (Amdahl fraction ``suffix_f``)."""
+    for threads in (1, 2, 2):
+        cost.observe("suffix/ref", 1000, threads, 1000 * rate * amdahl(threads, suffix_f))
+    return cost
+
+
+def test_suffix_chunks_calibrate_then_run_only_where_they_pay():
+    """Reference suffix chunks: forced at the even split on the calibration step (until both
+    rates are known), then chosen by prediction: taken where decode barely uses the second thread
+    (prediction = the chunk timeline worked by hand), refused where decode scales perfectly."""
+    g = graph(num_groups=2, response=800)  # 100 decode steps; two ref prefixes of 100 tokens
+    planner, bounds, tokens = PhasePlanner(2), [32, 64], [256, 256]
+    split = planner.plan(g, CostModel())  # profile_serial: no chunks before the rates exist
+    assert planner.stream_chunks(split, g, CostModel(), bounds, tokens, 300, calibrating=False) is split
+    calibration = planner.stream_chunks(replace(split, mode="profile_split"), g, CostModel(), bounds, tokens, 300,
+                                        calibrating=True)
+    assert calibration.chunk_bounds == bounds and (calibration.decode_share, calibration.train_share) == (1, 1)
+    assert {"prefix/ref/g0", "prefix/ref/g1"} <= set(calibration.window_tasks) and calibration.overlaps
+
+    cost = with_suffix(calibrated(decode_f=0.0, prefix_f=1.0, decode_rate=0.02), suffix_f=1.0, rate=2e-3)
+    base = planner.plan(g, cost)
+    plan = planner.stream_chunks(base, g, cost, bounds, tokens, 300, calibrating=False)
+    # train side at 1 thread: the window's six prefixes 0.6 s, then chunk 0 from 32*0.02=0.64 s to
+    # 1.152, chunk 1 from 1.28 s to 1.792; decode ends at 2.0 s (decode_f=0: 0.02 s a step on any
+    # share); after it the last chunk, 300 tokens on 2 threads: 0.3 s
+    assert plan.chunk_bounds == bounds and plan.overlaps and len(plan.window_tasks) == 6 and not plan.after_tasks
+    assert plan.predicted_s + plan.suffix_full_s == pytest.approx(2.0 + 0.3 + 2 * cost.switch_s)
+    assert plan.suffix_full_s == pytest.approx(812 * 1e-3)
+    assert plan.planned_gain_s == pytest.approx(base.predicted_s + plan.suffix_full_s
+                                                - (plan.predicted_s + plan.suffix_full_s))
+    assert plan.planned_gain_s > plan.margin_s > 0
+
+    cost = with_suffix(calibrated(decode_f=1.0, prefix_f=1.0, decode_rate=0.02), suffix_f=1.0, rate=2e-3)
+    base = planner.plan(g, cost)
+    kept = planner.stream_chunks(base, g, cost, bounds, tokens, 300, calibrating=False)
+    assert not kept.chunk_bounds and kept.predicted_s == base.predicted_s and "chunks_1_1" in kept.candidates

@@ -413,8 +413,19 @@ class ScheduleConfig:
     budget); ``false``: off. The states' bytes per token are measured by the first step, so the
     budget applies from the second step on."""
 
+    suffix_chunk_tokens: int = 0
+    """rollplex under ``rollout.ignore_eos`` with a reference: the planner may score the reference
+    suffixes in chunks of this many response tokens while decode goes on (the decode window's
+    train share), with the one-call pass's numbers (``models.prefix.ChunkedSuffix``); it does when
+    its cost model predicts a gain over the margin. Needs the builtin rollout, the torch backend and
+    ``model.shared_prefix``; elsewhere it stays off. 0 (the default): off; otherwise at least 4.
+    Off by default: on the 2-core CPU machine the decode at one thread beside the chunks lost more
+    than the chunks hid (docs/benchmarks.md, "Reference suffix chunks in the decode window")."""
+
     def __post_init__(self) -> None:
         _check_choice("schedule", "name", self.name, SCHEDULES)
+        if self.suffix_chunk_tokens != 0 and self.suffix_chunk_tokens < 4:
+            raise ValueError(f"schedule.suffix_chunk_tokens={self.suffix_chunk_tokens}: expected 0 (off) or at least 4")
         self.prefill_from_actor = str(self.prefill_from_actor).lower()  # Hydra reads `true` as a bool
         _check_choice("schedule", "prefill_from_actor", self.prefill_from_actor, ("auto", "true", "false"))
         if self.prefix_memory_gib is not None:
@@ -518,6 +529,15 @@ class Config:
         alive across decode (``schedule.prefix_memory_gib`` not 0)."""
         return (self.schedule.name == "rollplex" and self.rollout.name == "builtin" and self.actor.backend == "torch"
                 and self.schedule.prefix_memory_gib != 0)
+
+    def suffix_chunks_possible(self) -> bool:
+        """Whether the planner may score reference suffix chunks during decode
+        (``schedule.suffix_chunk_tokens``): rollplex, the built-in engine (it reports decode
+        progress), the torch backend with ``model.shared_prefix``, a reference model and
+        ``rollout.ignore_eos`` (every response is ``max_new_tokens`` long, the pass's width)."""
+        return (self.schedule.name == "rollplex" and self.schedule.suffix_chunk_tokens > 0
+                and self.rollout.name == "builtin" and self.actor.backend == "torch" and self.model.shared_prefix
+                and self.algorithm.needs_reference and self.rollout.ignore_eos)
 
 
 def register_configs() -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from rollplex_train.data.types import PromptSample, Response, TrainBatch, gather_rows
+from rollplex_train.data.types import DecodeProgress, PromptSample, Response, TrainBatch, gather_rows
 from rollplex_train.runtime.protocol import ItemStream, Pending
 
 
@@ -114,6 +114,24 @@ class TrainGroup:
                                             step.local(dp, mine), export and r == self.leaders[dp]))
         return Pending(futures, lambda values: [(dp, values[i]) for dp, i in leaders])
 
+    def score_suffix_chunks(self, step: StepPrompts, role: str, tokens: dict, width: int, version: int,
+                            final: bool = False) -> Pending:
+        """Suffix chunks of the global prompt indices in ``tokens`` (-> (n, t) tokens decoded so
+        far), each on the DP rank that owns it; result: ``[(dp, result dict of the replica's first
+        rank)]`` (``TrainEngine.score_suffix_chunks``; ``final``: the pass's last chunk)."""
+        futures, leaders = [], []
+        for dp in range(self.dp_size):
+            mine = [g for g in tokens if step.rank_of_group[g] == dp]
+            if not mine:
+                continue
+            local = dict(zip(step.local(dp, mine), (tokens[g] for g in mine)))
+            for r in self._replica(dp):
+                if r == self.leaders[dp]:
+                    leaders.append((dp, len(futures)))
+                futures.append(self.ex.call(self.handles[r], "score_suffix_chunks", step.refs[dp], role, local,
+                                            width, version, final))
+        return Pending(futures, lambda values: [(dp, values[i]) for dp, i in leaders])
+
     def set_threads(self, threads: int) -> Pending:
         return self._all("set_threads", threads)
 
@@ -200,14 +218,16 @@ class RolloutGroup:
         return Pending(futures, combine)
 
     def generate_stream(self, step: StepPrompts, params, version: Optional[int],
-                        prefixes: Optional[dict] = None) -> "ResponseStream":
+                        prefixes: Optional[dict] = None, progress_every: int = 0) -> "ResponseStream":
         """Whole finished groups as the engines yield them (``ResponseStream``); ``prefixes`` as in
-        :meth:`generate`."""
+        :meth:`generate`; ``progress_every``: the engines also report the tokens decoded so far
+        every that many steps (``RolloutEngine.generate_stream``)."""
         calls = self.split(step)
         stream = ItemStream(len(calls))
         for e, dp, idx in calls:
             self.ex.stream(self.handles[e], "generate_stream",
-                           (step.refs[dp], params, version, step.local(dp, idx), self._given(prefixes, idx)),
+                           (step.refs[dp], params, version, step.local(dp, idx), self._given(prefixes, idx),
+                            progress_every),
                            stream, tag=tuple(idx))
         return ResponseStream(stream)
 
@@ -248,17 +268,28 @@ def _globalised(r: Response, indices: list[int]) -> Response:
 
 
 class ResponseStream:
-    """Responses of whole groups as they finish, with global prompt indices."""
+    """Responses of whole groups as they finish, with global prompt indices, and the engines'
+    ``DecodeProgress`` reports (kept apart: :meth:`take_progress`)."""
 
     def __init__(self, items: ItemStream):
         self.items = items
+        self.progress: list[DecodeProgress] = []
 
     def next_future(self):
         return self.items.next_future()
 
     def take(self) -> list[Response]:
         """The responses that arrived since the last call (possibly none)."""
-        return [_globalised(r, list(idx)) for idx, batch in self.items.take() for r in batch]
+        out = []
+        for idx, batch in self.items.take():
+            for r in batch:
+                (self.progress if isinstance(r, DecodeProgress) else out).append(_globalised(r, list(idx)))
+        return out
+
+    def take_progress(self) -> list[DecodeProgress]:
+        """The progress reports that arrived by the last :meth:`take` and were not taken yet."""
+        out, self.progress = self.progress, []
+        return out
 
     @property
     def finished(self) -> bool:

@@ -193,11 +193,13 @@ class RolloutWorker:
 
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
                         weights_version: Optional[int] = None, indices: Optional[list[int]] = None,
-                        prefixes: Optional[list] = None):
+                        prefixes: Optional[list] = None, progress_every: int = 0):
         """Ray streaming generator (call with ``.options(num_returns="streaming")``): one object per
-        batch of finished groups, the list of their responses."""
+        batch of finished groups, the list of their responses (or, with ``progress_every``, of
+        ``DecodeProgress``)."""
         prompts = resolve(prompts, indices)
-        yield from self.compute.iterate(lambda: self.engine.generate_stream(prompts, params, weights_version, prefixes))
+        yield from self.compute.iterate(lambda: self.engine.generate_stream(prompts, params, weights_version, prefixes,
+                                                                            progress_every))
 
 
 class TrainWorker:
@@ -254,6 +256,11 @@ class TrainWorker:
     def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int,
                             indices: Optional[list[int]] = None, export: bool = False):
         return self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version, export)
+
+    def score_suffix_chunks(self, prompts: list[PromptSample], role: str, tokens: dict, width: int,
+                            weights_version: int, final: bool = False):
+        """``tokens``: position in ``prompts`` (this rank's prompts, by reference) -> (n, t) tokens."""
+        return self.engine.score_suffix_chunks(resolve(prompts), role, tokens, width, weights_version, final)
 
     def set_threads(self, threads: int) -> None:
         """This worker's share of the cores for the coming phase."""

@@ -117,6 +117,20 @@ class Response:
     finish_reason: str
 
 
+@dataclass
+class DecodeProgress:
+    """The tokens one group has decoded so far (a ``generate_stream`` item with ``progress_every``).
+
+    Attributes:
+        prompt_index: index of its prompt in the request's prompt list.
+        token_ids: (n, t) int64, the first t tokens of each of the group's n responses (all the
+            same length: progress is only reported under ``ignore_eos``).
+    """
+
+    prompt_index: int
+    token_ids: torch.Tensor
+
+
 @dataclass(frozen=True)
 class MiniBatchSpec:
     """One optimizer step's share of a data-parallel rank's batch.

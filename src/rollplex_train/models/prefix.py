@@ -217,3 +217,149 @@ def score_suffix(
     )
     hidden = torch.cat([h0, out.last_hidden_state], dim=1)  # (N, R, H)
     return logprobs_from_hidden(model, hidden, response_ids, response_mask, temperature, with_entropy)
+
+
+class _FixedWidthLayer:
+    """One layer's keys/values in a (N, K, width, D) buffer that attention always reads whole.
+
+    ``update`` writes the new positions at the fill mark and returns the whole buffer: the unfilled
+    columns are zeros that the attention mask hides. API: the ``update``/``get_seq_length``/
+    ``get_mask_sizes`` methods of ``transformers.cache_utils.CacheLayerMixin`` (transformers 5.x).
+    """
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, filled: int):
+        self.keys, self.values, self.filled = keys, values, filled
+        self.is_initialized = True
+        self.device = keys.device
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        end = self.filled + key_states.shape[-2]
+        self.keys[:, :, self.filled:end] = key_states
+        self.values[:, :, self.filled:end] = value_states
+        self.filled = end
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.filled
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[-2], 0
+
+
+MIN_CHUNK_TOKENS = 4
+"""Fewest input tokens of a :class:`ChunkedSuffix` chunk: chunks of 1-3 tokens differ from the
+one-call pass in the last bits (measured, torch 2.13 CPU: any N, both checkpoints); 4 and more
+give identical numbers (tests/test_models_prefix.py)."""
+
+
+def chunk_end(scored: int, decoded: int, width: int) -> int:
+    """Where the next :class:`ChunkedSuffix` chunk may end: at ``decoded`` (tokens decoded so far),
+    held back so that the tail left to the last chunk keeps ``MIN_CHUNK_TOKENS``; ``scored`` (no
+    chunk) when fewer than ``MIN_CHUNK_TOKENS`` could run.
+
+    Args:
+        scored: input tokens already run. decoded: tokens decoded so far. width: R, the final
+            response width (the pass runs inputs 0 .. R - 2).
+    """
+    end = min(decoded, width - 1 - MIN_CHUNK_TOKENS)
+    return end if end - scored >= MIN_CHUNK_TOKENS else scored
+
+
+class ChunkedSuffix:
+    """The suffix pass of one group's N responses, run in chunks of response tokens as they are
+    decoded, with the same numbers as one :func:`score_suffix` call over the whole responses.
+
+    Why the numbers are the same: ``score_suffix`` runs its R-1 input tokens in one forward whose
+    attention reads a (N, K, Lp + R - 1, D) cache through a boolean (N, 1, R - 1, Lp + R - 1) mask.
+    Here every chunk's attention reads a buffer of that same width (columns not decoded yet are
+    zeros) through the same rows of that same mask, so each query row sees identical inputs, in
+    identical blocks. The projections and MLPs are row-wise GEMMs, bitwise the same for any number
+    of rows on the CPU BLAS measured, provided each chunk has at least ``MIN_CHUNK_TOKENS`` tokens
+    (tests/test_models_prefix.py checks the whole result, chunked against ``score_suffix``, on 1
+    and 2 threads).
+
+    Args:
+        model: the Qwen2(.5)-VL model whose ``state`` this is (eval mode, no grad).
+        state: the group's prefix (:class:`PrefixState`, its Lp real tokens, no padding).
+        num_responses: N, the group's responses. width: R, the responses' token width (the
+            scored width of the whole pass: all responses are that long under ``rollout.ignore_eos``).
+
+    Raises:
+        ValueError: a chunk that does not continue where the last one ended, goes past R - 1, or
+            is shorter than ``MIN_CHUNK_TOKENS`` (unless it is the whole pass).
+    """
+
+    def __init__(self, model, state: PrefixState, num_responses: int, width: int):
+        self.model, self.state, self.n, self.width = model, state, num_responses, width
+        self.scored = 0  # response input tokens run so far (tokens 0 .. scored-1)
+        lp = state.prompt_length
+        total = lp + width - 1
+        self.layers = []
+        for k, v in zip(state.keys, state.values):
+            kb = k.new_zeros(num_responses, k.shape[1], total, k.shape[-1])
+            vb = v.new_zeros(num_responses, v.shape[1], total, v.shape[-1])
+            kb[:, :, :lp], vb[:, :, :lp] = k, v
+            self.layers.append(_FixedWidthLayer(kb, vb, lp))
+        self.hidden = [state.last_hidden.detach().view(1, 1, -1).expand(num_responses, 1, -1)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the key/value buffers and the hidden states scored so far."""
+        kv = sum(l.keys.numel() * l.keys.element_size() * 2 for l in self.layers)
+        return kv + sum(h.numel() * h.element_size() for h in self.hidden[1:])
+
+    @torch.no_grad()
+    def extend(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> int:
+        """Run input tokens ``scored .. end-1`` (end = ``response_ids.shape[1]``, at most R - 1).
+
+        Args:
+            response_ids: (N, end) int64, the responses decoded so far (their first ``end`` tokens).
+            response_mask: (N, end) float32 (ones where a token is real).
+
+        Returns:
+            the input tokens run by this call.
+        """
+        from transformers.cache_utils import Cache
+
+        start, end = self.scored, response_ids.shape[1]
+        if end > self.width - 1 or end < start:
+            raise ValueError(f"suffix chunk to token {end}: expected {start} .. {self.width - 1}")
+        if end == start:
+            return 0
+        if end - start < MIN_CHUNK_TOKENS and not (start == 0 and end == self.width - 1):
+            raise ValueError(f"suffix chunk of {end - start} tokens ({start} .. {end - 1}): expected at least "
+                             f"{MIN_CHUNK_TOKENS} (shorter chunks round differently), or the whole pass")
+        lp, dev = self.state.prompt_length, model_device(self.model)
+        cols = torch.arange(lp + self.width - 1, device=dev)
+        rows = torch.arange(start, end, device=dev)
+        seen = torch.ones(self.n, lp + self.width - 1, dtype=torch.bool, device=dev)
+        seen[:, lp:lp + end] = response_mask.to(dev).bool()
+        causal = cols.view(1, -1) <= (lp + rows).view(-1, 1)  # (q, kv): the cache position of each query
+        mask = (causal.view(1, 1, end - start, -1) & seen.view(self.n, 1, 1, -1))
+        position_ids = (self.state.next_position + rows).view(1, 1, -1).expand(3, self.n, -1)
+        cache = Cache(layers=self.layers)
+        out = self.model.model.language_model(
+            input_ids=response_ids[:, start:end].to(dev), attention_mask={"full_attention": mask},
+            position_ids=position_ids, cache=cache, use_cache=True)
+        self.hidden.append(out.last_hidden_state)
+        self.scored = end
+        return end - start
+
+    def log_probs(self, response_ids: torch.Tensor, response_mask: torch.Tensor, temperature: float = 1.0,
+                  with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Finish the pass (tokens left up to R - 1) and score the responses, as ``score_suffix``.
+
+        Args:
+            response_ids, response_mask: (N, R) the whole responses (int64 / float32).
+
+        Returns:
+            logprobs (N, R) float32 and optional entropy (N, R) float32, zero outside the mask.
+        """
+        self.extend(response_ids[:, : self.width - 1], response_mask[:, : self.width - 1])
+        dev = model_device(self.model)
+        hidden = torch.cat(self.hidden, dim=1)
+        return logprobs_from_hidden(self.model, hidden, response_ids.to(dev), response_mask.to(dev),
+                                    temperature, with_entropy)

@@ -114,14 +114,23 @@ class RolloutEngine(abc.ABC):
 
     def generate_stream(
         self, prompts: list[PromptSample], params: SamplingParams, weights_version: Optional[int] = None,
-        prefixes: Optional[list] = None,
+        prefixes: Optional[list] = None, progress_every: int = 0,
     ) -> Iterator[list[Response]]:
         """Like ``generate``, but yield the responses of whole groups (all ``params.n`` responses of
         each of one or more prompts; ``Response.prompt_index`` tells the prompt) as soon as they are
         finished, so suffix work of early groups can start during the decode tail. The groups still
         decoding when a batch of the request ends come in one item. Engines that cannot stream yield
-        everything in one item when the request is done (this default)."""
+        everything in one item when the request is done (this default).
+
+        ``progress_every > 0`` (engines with ``supports_progress``, ``params.ignore_eos``): also
+        yield, every that many decode steps, one item of ``DecodeProgress`` (the tokens of every
+        group still decoding), so suffix chunks can be scored while decode goes on."""
+        if progress_every and not self.supports_progress:
+            raise ValueError(f"{type(self).__name__} cannot report decode progress (progress_every={progress_every})")
         yield self.generate(prompts, params, weights_version, prefixes)
+
+    supports_progress: bool = False
+    """Whether ``generate_stream`` can report ``DecodeProgress`` (``progress_every``)."""
 
     supports_compute_share: bool = True
     """Whether ``set_compute_share`` changes anything (the planner only re-shares engines that can)."""

@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from rollplex_train.data.types import PromptSample, Response
+from rollplex_train.data.types import DecodeProgress, PromptSample, Response
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.prefix import PrefixState, encode_prefix
 from rollplex_train.models.sequence import pad_prompts
@@ -138,9 +138,11 @@ class BuiltinRolloutEngine(RolloutEngine):
         finished = self.generate_stream(prompts, params, weights_version, prefixes)
         return sorted((r for item in finished for r in item), key=lambda r: r.prompt_index)  # stable
 
+    supports_progress = True
+
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
-                        weights_version: Optional[int] = None, prefixes: Optional[list] = None
-                        ) -> Iterator[list[Response]]:
+                        weights_version: Optional[int] = None, prefixes: Optional[list] = None,
+                        progress_every: int = 0) -> Iterator[list]:
         if self._released:
             raise RuntimeError("rollout engine memory is released: call resume_memory() before generate()")
         if weights_version is not None and weights_version != self.weights_version:
@@ -149,13 +151,15 @@ class BuiltinRolloutEngine(RolloutEngine):
             )
         if self._shared is not None:  # the trainer's own tensors: refuse them stale or mid-update
             self._shared.check(self.weights_version)
+        if progress_every and not params.ignore_eos:
+            raise ValueError(f"progress_every={progress_every} needs ignore_eos (responses of one length)")
         self._decode_stats = {}
         per_chunk = max(1, self.max_batch_size // params.n)
         for start in range(0, len(prompts), per_chunk):
             chunk = prompts[start : start + per_chunk]
             gens = [sequence_generator(params.seed, p.uid, k) for p in chunk for k in range(params.n)]
             given = None if prefixes is None else prefixes[start : start + per_chunk]
-            for finished in self._generate_chunk(chunk, params, gens, given):
+            for finished in self._generate_chunk(chunk, params, gens, given, progress_every):
                 for r in finished:
                     r.prompt_index += start
                 yield finished
@@ -259,10 +263,12 @@ class BuiltinRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_chunk(self, prompts: list[PromptSample], params: SamplingParams,
-                        gens: list[torch.Generator], prefixes: Optional[list[Optional[PrefixState]]] = None
-                        ) -> Iterator[list[Response]]:
+                        gens: list[torch.Generator], prefixes: Optional[list[Optional[PrefixState]]] = None,
+                        progress_every: int = 0) -> Iterator[list]:
         """Decode ``prompts`` together; after a decode step that finished some groups, yield the
         responses of those groups (all n of each), and when decoding ends, those of all the rest.
+        With ``progress_every``, every that many steps (not after the last) also one
+        ``DecodeProgress`` per group still decoding.
 
         The prompts are prefilled one by one (``_prefill``), each exactly as the training side's
         prefix pass encodes it, and their caches left-padded into one batch."""
@@ -338,6 +344,9 @@ class BuiltinRolloutEngine(RolloutEngine):
             finished = [g for g, count in enumerate(left) if count == 0]
             if finished:
                 yield [r for index in finished for r in group(index)]
+            if progress_every and (step + 1) % progress_every == 0:
+                yield [DecodeProgress(g, torch.tensor(tokens[g * n:(g + 1) * n], dtype=torch.long))
+                       for g, count in enumerate(left) if count > 0]
             if len(keep) < len(alive):
                 sel = torch.tensor(keep, dtype=torch.long)
                 alive = alive[sel]

@@ -33,7 +33,7 @@ Pure Python: no Ray, no tensors.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from rollplex_train.runtime.cost_model import CostModel
@@ -80,10 +80,16 @@ class WindowPlan:
     planned_gain_s: float = 0.0
     margin_s: float = 0.0
     prefix_full_s: Optional[float] = None
+    chunk_bounds: list[int] = field(default_factory=list)
+    """Decoded tokens at which the window scores reference suffix chunks (:meth:`PhasePlanner.stream_chunks`;
+    empty: no chunks). The pass's last chunk runs after decode on the whole device."""
+    suffix_full_s: Optional[float] = None
+    """With chunks: predicted seconds of the whole reference suffix pass on the whole device (the
+    no-overlap placement's; the realised gain is measured against it)."""
 
     @property
     def overlaps(self) -> bool:
-        return self.train_share > 0 and bool(self.window_tasks)
+        return self.train_share > 0 and (bool(self.window_tasks) or bool(self.chunk_bounds))
 
 
 def run_order(tasks: list[Task]) -> list[str]:
@@ -172,6 +178,73 @@ class PhasePlanner:
         spread = math.sqrt(sum((cost.relative_noise(kind, threads) * s) ** 2 for (kind, threads), s in per_key.items()))
         return MARGIN_Z * spread + cost.gain_shortfall_s + MIN_MARGIN_FRAC * baseline_s
 
+    def stream_chunks(self, plan: WindowPlan, graph: StepGraph, cost: CostModel, bounds: list[int],
+                      chunk_tokens: list[int], final_tokens: int, calibrating: bool) -> WindowPlan:
+        """The step's plan with reference suffix chunks in the decode window, when that is predicted
+        faster than ``plan`` (by more than the margin), else ``plan`` unchanged.
+
+        With chunks the decoder runs at ``d`` threads for the whole decode while the train worker
+        (``c`` threads) first runs every reference prefix (a chunk needs its group's prefix) and
+        ``plan``'s other window tasks, then chunk ``j`` as soon as decode has produced
+        ``bounds[j]`` tokens; the last chunk (``final_tokens``) runs after decode on the whole device.
+        Predicted: ``max(decode end, window end) + last chunk + after tasks + 2 re-shares``, against
+        ``plan.predicted_s`` plus the whole pass on the whole device. The margin is
+        :meth:`margin_s`'s, over the terms in which the two differ.
+
+        Args:
+            plan: the prefix-task plan (mode ``plan``); graph: the step graph it was made from
+                (``decode_steps``, the movable tasks).
+            bounds: decoded tokens at which chunk ``j`` can start; chunk_tokens: its input tokens
+                (all rows); final_tokens: the last chunk's.
+            calibrating: a ``profile_split`` step: chunks at the even split whatever the prediction
+                (measures ``suffix/ref`` beside decode), when ``suffix/ref`` is not yet known there.
+
+        Returns:
+            a :class:`WindowPlan` with ``chunk_bounds`` set, or ``plan``.
+        """
+        if not bounds or self.total < 2:
+            return plan
+        kind, movable = "suffix/ref", graph.movable()
+        refs = [t for t in movable if t.kind == "prefix/ref"]
+        d_share, c_share = max(1, (self.total + 1) // 2), self.total // 2
+        if calibrating or plan.mode != "plan":
+            if not calibrating or (cost.known(kind, c_share) and cost.known(kind, self.total)):
+                return plan
+            window = list(dict.fromkeys([t.name for t in refs] + list(plan.window_tasks)))
+            return replace(plan, decode_share=d_share, train_share=c_share, window_tasks=run_order(
+                [t for t in movable if t.name in window]), after_tasks=run_order(
+                [t for t in movable if t.name not in window]), chunk_bounds=list(bounds))
+        if not (cost.known(kind, c_share) and cost.known(kind, self.total)):
+            return plan
+        window = [t for t in movable if t.kind == "prefix/ref" or t.name in plan.window_tasks]
+        after = [t for t in movable if t not in window]
+        rate_d, rate_full = cost.rate("decode", d_share), cost.rate("decode", self.total)
+        busy = sum(cost.seconds(t.kind, t.tokens, c_share) for t in window)  # train side, from decode start
+        for bound, tokens in zip(bounds, chunk_tokens):
+            busy = max(busy, bound * rate_d) + cost.seconds(kind, tokens, c_share)
+        decode_s = graph.decode_steps * rate_d
+        switch_s = cost.switch_s if cost.switch_s is not None else DEFAULT_SWITCH_S
+        suffix_full_s = cost.seconds(kind, sum(chunk_tokens) + final_tokens, self.total)
+        predicted = (max(decode_s, busy) + cost.seconds(kind, final_tokens, self.total) + 2 * switch_s
+                     + sum(cost.seconds(t.kind, t.tokens, self.total) for t in after))
+        baseline = plan.predicted_s + suffix_full_s
+        per_key = {("decode", d_share): decode_s, ("decode", self.total): graph.decode_steps * rate_full,
+                   (kind, c_share): cost.seconds(kind, sum(chunk_tokens), c_share),
+                   (kind, self.total): cost.seconds(kind, sum(chunk_tokens), self.total)}
+        for t in window:
+            for threads in (c_share, self.total):
+                per_key[(t.kind, threads)] = per_key.get((t.kind, threads), 0.0) + cost.seconds(t.kind, t.tokens, threads)
+        spread = math.sqrt(sum((cost.relative_noise(k, th) * sec) ** 2 for (k, th), sec in per_key.items()))
+        margin = MARGIN_Z * spread + cost.gain_shortfall_s + MIN_MARGIN_FRAC * baseline
+        candidates = dict(plan.candidates, **{f"chunks_{d_share}_{c_share}": predicted - suffix_full_s})
+        if baseline - predicted <= margin:
+            return replace(plan, candidates=candidates)
+        return replace(plan, decode_share=d_share, train_share=c_share, window_tasks=run_order(window),
+                       after_tasks=run_order(after), predicted_s=predicted - suffix_full_s,
+                       planned_gain_s=baseline - predicted, margin_s=margin, chunk_bounds=list(bounds),
+                       suffix_full_s=suffix_full_s, candidates=candidates,
+                       prefix_full_s=sum(cost.seconds(t.kind, t.tokens, self.total) for t in movable))
+
     @staticmethod
     def realised_gain_s(plan: WindowPlan, cost: CostModel, decode_steps: int, actual_s: float) -> float:
         """Measured seconds an overlapped step saved over the same step without overlap: the
@@ -182,6 +255,10 @@ class PhasePlanner:
             return 0.0
         total = plan.decode_share + plan.train_share
         realised = cost.seconds("decode", decode_steps, total) + plan.prefix_full_s - actual_s
+        if plan.chunk_bounds:  # actual_s then runs to the end of the reference suffix pass
+            if plan.suffix_full_s is None:  # a calibration step: the pass's whole-device time is not known yet
+                return 0.0
+            realised += plan.suffix_full_s
         cost.observe_gain(plan.planned_gain_s, realised)
         return realised
 

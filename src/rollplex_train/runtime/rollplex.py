@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from rollplex_train.data.types import PromptSample
+from rollplex_train.models.prefix import chunk_end
 from rollplex_train.runtime import batching
 from rollplex_train.runtime.cost_model import CostModel
 from rollplex_train.runtime.graph import build_step_graph
@@ -156,6 +157,7 @@ class RollplexSchedule(SerialSchedule):
             held = sum(step_prompts.prompts[g].prompt_length for g in groups if g in handed)
             graph = self._graph([step_prompts.prompts[g] for g in groups], first, actor_movable=not handed)
             plan = self.planner.plan(graph, self.cost, int(held * self.bytes_per_token.get("actor", 0.0)))
+            plan = self._with_chunks(plan, graph, self.cfg.rollout.n * len(groups))
             keep = (lambda n: first > 0 or "/actor/" not in n)  # no actor prefix ahead of a foreign step
             plans.append(replace(plan, window_tasks=_globalise([n for n in plan.window_tasks if keep(n)], groups),
                                  after_tasks=_globalise([n for n in plan.after_tasks if keep(n)], groups)))
@@ -163,6 +165,30 @@ class RollplexSchedule(SerialSchedule):
         return replace(lead, window_tasks=_run_order([t for p in plans for t in p.window_tasks]),
                        after_tasks=_run_order([t for p in plans for t in p.after_tasks]),
                        window_bytes=max(p.window_bytes for p in plans))
+
+    def chunk_layout(self, rows: int) -> tuple[list[int], list[int], int]:
+        """The reference suffix chunks of a window over ``rows`` responses of ``rollout.max_new_tokens``
+        tokens, chunk size ``schedule.suffix_chunk_tokens``: (decoded tokens at which each chunk can
+        start, its input tokens over all rows, the last chunk's input tokens, run after decode).
+        Chunk ends follow ``models.prefix.chunk_end`` (what the train worker will run)."""
+        every, width = self.cfg.schedule.suffix_chunk_tokens, self.cfg.rollout.max_new_tokens
+        bounds, tokens, scored = [], [], 0
+        for decoded in range(every, width, every):  # the engine reports progress every `every` steps
+            end = chunk_end(scored, decoded, width)
+            if end > scored:
+                bounds.append(decoded)
+                tokens.append((end - scored) * rows)
+                scored = end
+        return bounds, tokens, (width - 1 - scored) * rows
+
+    def _with_chunks(self, plan: WindowPlan, graph, rows: int) -> WindowPlan:
+        """``plan``, or the planner's plan with reference suffix chunks in the window
+        (``PhasePlanner.stream_chunks``) where they can run (``Config.suffix_chunks_possible``)."""
+        if not self.cfg.suffix_chunks_possible():
+            return plan
+        bounds, tokens, final = self.chunk_layout(rows)
+        return self.planner.stream_chunks(plan, graph, self.cost, bounds, tokens, final,
+                                          calibrating=plan.mode == "profile_split")
 
     def _graph(self, prompts: list[PromptSample], first_groups: int, actor_movable: bool = True):
         """The task graph of one DP rank's groups; the first ``first_groups`` of them belong to the
@@ -240,23 +266,33 @@ class RollplexSchedule(SerialSchedule):
         tail: list[tuple[list[int], list, list]] = []  # suffix calls in flight: (prompt indices, roles, refs)
         # shares change only while the training worker is idle (its calls run in order)
         share = self._set_share(split if plan.overlaps else full, full, t)
+        chunks = bool(plan.chunk_bounds)
+        chunk_calls: list = []  # reference suffix chunk calls (Pending), in order
+        decoded: dict[int, torch.Tensor] = {}  # group -> tokens so far, not yet sent to a chunk call
         with tl.span("gen", "rollout", t):
             gen_start = tl.now()
             stream = w.rollout.generate_stream(step_prompts, sampling_params(self.cfg, step), self.weights_version,
-                                               prefixes)
+                                               prefixes, self.cfg.schedule.suffix_chunk_tokens if chunks else 0)
             window = self._submit(step_prompts, prefix_calls(plan.window_tasks)) if plan.overlaps else []
             pending, decoding = list(window), True
             while decoding:
-                wait_first([stream.next_future(), *pending, *(p for *_, ps in tail for p in ps)])
+                wait_first([stream.next_future(), *pending, *(p for *_, ps in tail for p in ps),
+                            *(c for c in chunk_calls[-1:] if not c.done())])
                 for r in stream.take():
                     groups.setdefault(r.prompt_index, []).append(r)
+                decoded.update((p.prompt_index, p.token_ids) for p in stream.take_progress())
+                if decoded and not (chunk_calls and not chunk_calls[-1].done()):  # one chunk call in flight
+                    chunk_calls.append(w.train.score_suffix_chunks(step_prompts, "ref", decoded,
+                                                                   self.cfg.rollout.max_new_tokens,
+                                                                   self.weights_version))
+                    decoded = {}
                 n_done = sum(len(rs) == self.cfg.rollout.n for rs in groups.values())
                 decoding = n_done < len(prompts) and not stream.finished  # groups still decoding: the tail
                 pending = [p for p in pending if not p.done()]
                 self._collect_tail(tail, wait=False)
                 fresh = sorted(set(groups) - submitted)
                 start_tail = decoding and stream_suffix and bool(roles) and bool(fresh) and not pending and not tail
-                share = self._set_share(split if pending or tail or start_tail else full, share, t)
+                share = self._set_share(split if pending or tail or start_tail or chunks else full, share, t)
                 if start_tail:  # suffix tasks of the groups already finished, beside the decode tail
                     batch = batching.groups_batch(prompts, groups, fresh, self.pad_id)
                     temp = self.cfg.rollout.temperature
@@ -265,11 +301,21 @@ class RollplexSchedule(SerialSchedule):
                                                 for role in roles]))
                     submitted.update(fresh)
             gen_end = tl.now()
-        if pending or tail:
+        if pending or tail or (chunk_calls and not chunk_calls[-1].done()):
             with tl.span("prefix_exposed", "train", t):  # window / tail work that outlasted decode
                 get_all(pending)
                 self._collect_tail(tail, wait=True)
+                get_all(chunk_calls)
         self._set_share(full, share, t)
+        chunk_results = [r for per_dp in get_all(chunk_calls) for _, r in per_dp]
+        if chunks:  # the pass's last chunk, on the whole device
+            with tl.span("suffix_after", "train", t):
+                last = {g: torch.stack([r.token_ids for r in groups[g]]) for g in range(len(prompts))}
+                final = [r for _, r in w.train.score_suffix_chunks(step_prompts, "ref", last,
+                                                                  self.cfg.rollout.max_new_tokens,
+                                                                  self.weights_version, final=True).result()]
+            self._observe_chunks(chunk_results, final)
+            chunk_results += final
         tail_role = {"old": "actor", "ref": "ref"}  # prefix role -> the suffix role scored in the tail
         after_tasks = [n for n in plan.after_tasks  # groups whose old/ref suffixes already ran need no prefix
                        if n.split("/")[1] == "actor" or int(n.split("/")[2][1:]) not in self.streamed[tail_role[n.split("/")[1]]]]
@@ -278,7 +324,7 @@ class RollplexSchedule(SerialSchedule):
         results = [r for per_dp in [before] + get_all(window) + after for r in per_dp]  # (dp, result dict)
         responses = [r for i in range(len(prompts)) for r in groups[i]]
         self._observe(responses, results, w.rollout.decode_stats(), len(prompts))
-        metrics = self._metrics(plan, [r for _, r in results], gen_start, gen_end)
+        metrics = self._metrics(plan, [r for _, r in results], gen_start, gen_end, chunk_results)
         metrics["rollplex/tail_groups"] = float(max(len(v) for v in self.streamed.values()))
         metrics["rollplex/serial_step"] = 0.0
         metrics["rollplex/prefill_from_actor_groups"] = float(len(handed))
@@ -327,9 +373,29 @@ class RollplexSchedule(SerialSchedule):
             held[dp] = r["prefix/bytes_held"]
         self.response_tokens = max(1, round(sum(len(x.token_ids) for x in responses) / num_groups))
 
-    def _metrics(self, plan: WindowPlan, results: list[dict], gen_start: float, gen_end: float) -> dict[str, float]:
-        """Spans of the worker-side prefix tasks, hidden/idle fractions and the planner's numbers."""
+    def _observe_chunks(self, window: list[dict], final: list[dict]) -> None:
+        """Feed the reference suffix chunk rates into the cost model: the window's calls summed
+        per thread count (one observation a step), and the last chunks run on the whole device."""
+        for results in (window, final):
+            by_threads: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+            for r in results:
+                entry = by_threads[int(r["suffix/threads"])]
+                entry[0] += r["suffix/ref/seconds"]
+                entry[1] += r["suffix/ref/tokens"]
+            for threads, (seconds, tokens) in by_threads.items():
+                self.cost.observe("suffix/ref", int(tokens), threads, seconds)
+
+    def _metrics(self, plan: WindowPlan, results: list[dict], gen_start: float, gen_end: float,
+                 chunk_results: list[dict] = ()) -> dict[str, float]:
+        """Spans of the worker-side prefix tasks and reference suffix chunks, hidden/idle fractions
+        and the planner's numbers."""
         tl = self.timeline
+        chunk_s = chunk_hidden_s = 0.0
+        for r in chunk_results:
+            start, end = r["suffix/start_time"] - tl.origin, r["suffix/end_time"] - tl.origin
+            tl.add("suffix(ref)", "train", start, end)
+            chunk_s += end - start
+            chunk_hidden_s += max(0.0, min(end, gen_end) - max(start, gen_start))
         prefix_s = hidden_s = 0.0  # hidden: prefix seconds inside the decode window
         by_role: dict[str, float] = defaultdict(float)
         for r in results:
@@ -351,8 +417,11 @@ class RollplexSchedule(SerialSchedule):
             "planner/decode_share": float(plan.decode_share),
             "planner/train_share": float(plan.train_share),
             "planner/profiling": float(plan.mode != "plan"),
-            "planner/actual_s": max(gen_end, *(r["prefix/end_time"] - tl.origin for r in results)) - gen_start
-            if results else decode_s,
+            "planner/actual_s": max([gen_end, *(r["prefix/end_time"] - tl.origin for r in results),
+                                     *(r["suffix/end_time"] - tl.origin for r in chunk_results)]) - gen_start,
+            "rollplex/suffix_chunks_s": chunk_s,
+            "rollplex/suffix_chunks_hidden_s": chunk_hidden_s,
+            "rollplex/suffix_chunks": float(len(plan.chunk_bounds)),
             "prefix/bytes_held": results[-1]["prefix/bytes_held"] if results else 0.0,
         }
         metrics["rollplex/planned_gain_s"] = plan.planned_gain_s  # over no overlap; 0 when none is planned

@@ -103,6 +103,19 @@ class TrainEngine(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} cannot precompute prefixes")
 
+    supports_suffix_chunks: bool = False
+    """Whether :meth:`score_suffix_chunks` runs (the planner streams suffix chunks only then)."""
+
+    def score_suffix_chunks(self, prompts, role: str, tokens: dict[int, torch.Tensor], width: int,
+                            weights_version: int, final: bool = False) -> dict[str, float]:
+        """Run the suffix pass of decoding groups on the tokens they have so far (``schedule=rollplex``
+        under ``rollout.ignore_eos``); the later ``compute_log_probs`` of those groups finishes it.
+
+        Raises:
+            NotImplementedError: the backend cannot run suffix chunks.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot score suffix chunks")
+
     @abc.abstractmethod
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """The actor weights under the rollout engine's parameter names."""

@@ -24,7 +24,7 @@ from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.device import compute_context, layout_device
 from rollplex_train.models.loading import has_dropout, load_model, load_tokenizer
-from rollplex_train.models.prefix import encode_prefix, score_suffix
+from rollplex_train.models.prefix import ChunkedSuffix, chunk_end, encode_prefix, score_suffix
 from rollplex_train.training.base import PrefixFunctions, PrefixPasses
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
 from rollplex_train.training.base import TrainEngine, register_train_engine
@@ -104,6 +104,7 @@ class TorchTrainEngine(TrainEngine):
         self.weights_version = 0
         self.param_version = 0  # optimizer steps taken by this process (keys actor prefix states)
         self.prefixes = PrefixStore(owner="train-worker")
+        self.chunked: dict[tuple, ChunkedSuffix] = {}  # (uid, store role, version) -> suffix pass under way
         self.prefix_passes: PrefixPasses = PrefixFunctions(encode_prefix, score_suffix)  # models.prefix
         self._shared = None  # sharing.embedded.SharedActor once export_shared_weights() ran
         self._offloader = None  # memory.offload.ModuleOffloader on first offload_states()
@@ -121,11 +122,20 @@ class TorchTrainEngine(TrainEngine):
         assert len(groups) == 1, "with a shared prefix a micro-batch is one group (_micro_batches)"
         prompt = batch.prompts[groups.pop()]
         store_role, version = self._prefix_key(role)
+        # the group's own width, not the batch's: the numbers do not depend on which groups share a call
+        width = max(1, int(part["response_mask"].sum(-1).max()))
+        chunked = self.chunked.pop((prompt.uid, store_role, version), None)
+        if chunked is not None and chunked.width == width and chunked.n == len(rows):
+            with self._compute():  # scored in chunks during decode (score_suffix_chunks): finish it
+                logp, ent = chunked.log_probs(part["response_ids"][:, :width], part["response_mask"][:, :width],
+                                              temperature=temperature, with_entropy=with_entropy)
+            self.prefixes.release(prompt.uid, store_role, version)
+            pad = part["response_ids"].shape[1] - width
+            return self._on_device(part), (torch.nn.functional.pad(logp, (0, pad)),
+                                           None if ent is None else torch.nn.functional.pad(ent, (0, pad)))
         if not self.prefixes.holds(prompt.uid, store_role, version):  # not precomputed in a decode window
             self._encode([prompt], store_role)
         state = self.prefixes.take(prompt.uid, store_role, version)
-        # the group's own width, not the batch's: the numbers do not depend on which groups share a call
-        width = max(1, int(part["response_mask"].sum(-1).max()))
         with self._compute():
             logp, ent = self.prefix_passes.score(model, [state], torch.zeros(len(rows), dtype=torch.long),
                                                  part["response_ids"][:, :width], part["response_mask"][:, :width],
@@ -223,6 +233,62 @@ class TorchTrainEngine(TrainEngine):
         out["prefix/seconds"] = out["prefix/end_time"] - start
         return out
 
+    supports_suffix_chunks = True
+
+    @torch.no_grad()
+    def score_suffix_chunks(self, prompts, role: str, tokens: dict[int, torch.Tensor], width: int,
+                            weights_version: int, final: bool = False) -> dict[str, float]:
+        """Run the suffix pass of decoding groups on the tokens decoded so far, in chunks that give
+        the one-call pass's numbers (``models.prefix.ChunkedSuffix``); ``compute_log_probs`` of
+        those groups then runs only the tokens left. Needs ``model.shared_prefix``.
+
+        Args:
+            prompts: the step's prompts; role: ``ref`` or ``actor`` (the old-policy pass).
+            tokens: prompt index -> (n, t) int64, the first t tokens of the group's n responses.
+            width: R, the width every response will have (``rollout.max_new_tokens`` under
+                ``ignore_eos``). weights_version: the rollout's (must be this engine's).
+            final: the pass's last chunk (``tokens`` hold whole responses): run every input left.
+
+        Returns:
+            ``suffix/<role>/seconds``, ``suffix/<role>/tokens`` (input tokens run, all rows),
+            ``suffix/start_time``/``suffix/end_time`` (``time.perf_counter``), ``suffix/threads``,
+            ``suffix/bytes_held`` (chunked passes held).
+
+        Raises:
+            StalePrefixError: ``weights_version`` differs from this engine's.
+            ValueError: an unknown role, a missing reference or ``model.shared_prefix=false``.
+        """
+        if not self.supports_suffix_chunks:
+            raise NotImplementedError(f"{type(self).__name__} cannot score suffix chunks (its prefix states are TP shards)")
+        if weights_version != self.weights_version:
+            raise StalePrefixError(f"suffix chunks for weights version {weights_version}, the actor holds "
+                                   f"version {self.weights_version}")
+        if role not in ("ref", "actor") or (role == "ref" and self.ref is None) or not self.model_cfg.shared_prefix:
+            raise ValueError(f"cannot score {role!r} suffix chunks (reference present: {self.ref is not None}, "
+                             f"model.shared_prefix={self.model_cfg.shared_prefix})")
+        start = time.perf_counter()
+        model = self.ref if role == "ref" else self.actor
+        model.eval()
+        store_role, version = self._prefix_key(role)
+        ran = 0
+        for index, ids in tokens.items():
+            prompt = prompts[index]
+            chunked = self.chunked.get((prompt.uid, store_role, version))
+            if chunked is None:
+                if not self.prefixes.holds(prompt.uid, store_role, version):
+                    self._encode([prompt], store_role)
+                chunked = ChunkedSuffix(model, self.prefixes.take(prompt.uid, store_role, version), ids.shape[0], width)
+                self.chunked[(prompt.uid, store_role, version)] = chunked
+            end = min(ids.shape[1], width - 1) if final else chunk_end(chunked.scored, ids.shape[1], width)
+            if end > chunked.scored:
+                with self._compute():
+                    ran += chunked.extend(ids[:, :end], torch.ones(ids.shape[0], end)) * ids.shape[0]
+        end_time = time.perf_counter()
+        return {f"suffix/{role}/seconds": end_time - start, f"suffix/{role}/tokens": float(ran),
+                "suffix/start_time": start, "suffix/end_time": end_time,
+                "suffix/threads": float(torch.get_num_threads()),
+                "suffix/bytes_held": float(sum(c.nbytes for c in self.chunked.values()))}
+
     def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
         """Split ``rows`` into micro-batches of at most ``micro_batch_size`` responses; with a shared
         prefix, one group per micro-batch, groups in ascending index order.
@@ -303,6 +369,9 @@ class TorchTrainEngine(TrainEngine):
             dropped = self.prefixes.drop_other_versions(role, self.param_version)
             if dropped:
                 log.warning("dropped %d bytes of unused %s prefix states after the update", dropped, role)
+        if self.chunked:  # suffix passes of this step that no log-prob pass finished
+            log.warning("dropped %d unfinished suffix chunk passes after the update", len(self.chunked))
+            self.chunked.clear()
         self.weights_version += 1
         out = {k: v / count for k, v in sums.items()}
         out["actor/lr"] = self.scheduler.get_last_lr()[0]

@@ -87,6 +87,8 @@ class MegatronTrainEngine(TorchTrainEngine):
         RuntimeError: a multi-rank layout without ``torch.distributed`` initialised.
     """
 
+    supports_suffix_chunks = False  # models.prefix.ChunkedSuffix runs a whole HF model, not TP shards
+
     def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1,
                  layout: Optional[ParallelLayout] = None, rank: int = 0):
         from megatron.core import parallel_state as ps
@@ -126,6 +128,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         self.weights_version = 0
         self.param_version = 0
         self.prefixes = PrefixStore(owner=f"megatron-rank{rank}")
+        self.chunked = {}  # stays empty: no suffix chunks on TP shards (supports_suffix_chunks)
         self._shared = None
         self._offloader = None
 
