@@ -418,9 +418,8 @@ class ScheduleConfig:
     suffixes in chunks of this many response tokens while decode goes on (the decode window's
     train share), with the one-call pass's numbers (``models.prefix.ChunkedSuffix``); it does when
     its cost model predicts a gain over the margin. Needs the builtin rollout, the torch backend and
-    ``model.shared_prefix``; elsewhere it stays off. 0 (the default): off; otherwise at least 4.
-    Off by default: on the 2-core CPU machine the decode at one thread beside the chunks lost more
-    than the chunks hid (docs/benchmarks.md, "Reference suffix chunks in the decode window")."""
+    ``model.shared_prefix``; elsewhere it stays off. 0: off; otherwise at least 4 (the rollplex
+    schedule's config sets 32; docs/benchmarks.md, "Reference suffix chunks in the decode window")."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule", "name", self.name, SCHEDULES)

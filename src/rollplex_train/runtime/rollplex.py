@@ -186,6 +186,14 @@ class RollplexSchedule(SerialSchedule):
         (``PhasePlanner.stream_chunks``) where they can run (``Config.suffix_chunks_possible``)."""
         if not self.cfg.suffix_chunks_possible():
             return plan
+        budget = self.planner.memory_budget_bytes
+        if budget is not None:  # each group's chunk buffers hold (prompt + R - 1) positions per row across decode
+            width = self.cfg.rollout.max_new_tokens - 1
+            per_token = self.bytes_per_token.get("ref")
+            need = None if per_token is None else sum(
+                self.cfg.rollout.n * (t.tokens + width) for t in graph.movable() if t.kind == "prefix/ref") * per_token
+            if need is None or need + plan.window_bytes > budget:
+                return plan
         bounds, tokens, final = self.chunk_layout(rows)
         return self.planner.stream_chunks(plan, graph, self.cost, bounds, tokens, final,
                                           calibrating=plan.mode == "profile_split")
