@@ -102,34 +102,31 @@ class TrainGroup:
         """Prefix tasks for the global prompt indices ``groups``, each on the DP rank that owns it
         (ranks with none are skipped); result: ``[(dp, result dict of the replica's first rank)]``.
         ``export``: each result also holds ``prefix/states``, the rank's states in ``groups`` order."""
-        futures, leaders = [], []
-        for dp in range(self.dp_size):
-            mine = [g for g in groups if step.rank_of_group[g] == dp]
-            if not mine:
-                continue
-            for r in self._replica(dp):
-                if r == self.leaders[dp]:
-                    leaders.append((dp, len(futures)))
-                futures.append(self.ex.call(self.handles[r], "precompute_prefixes", step.refs[dp], roles, version,
-                                            step.local(dp, mine), export and r == self.leaders[dp]))
-        return Pending(futures, lambda values: [(dp, values[i]) for dp, i in leaders])
+        return self._on_owners(step, groups, "precompute_prefixes", lambda dp, mine, leader: (
+            step.refs[dp], roles, version, step.local(dp, mine), export and leader))
 
     def score_suffix_chunks(self, step: StepPrompts, role: str, tokens: dict, width: int, version: int,
                             final: bool = False) -> Pending:
         """Suffix chunks of the global prompt indices in ``tokens`` (-> (n, t) tokens decoded so
         far), each on the DP rank that owns it; result: ``[(dp, result dict of the replica's first
         rank)]`` (``TrainEngine.score_suffix_chunks``; ``final``: the pass's last chunk)."""
+        return self._on_owners(step, list(tokens), "score_suffix_chunks", lambda dp, mine, leader: (
+            step.refs[dp], role, dict(zip(step.local(dp, mine), (tokens[g] for g in mine))), width, version, final))
+
+    def _on_owners(self, step: StepPrompts, groups: list[int], method: str, args_of) -> Pending:
+        """Call ``method(*args_of(dp, its groups, is_leader))`` on every rank of each DP index that
+        owns some of the global prompt indices ``groups`` (the others are skipped); result:
+        ``[(dp, result of the replica's first rank)]``."""
         futures, leaders = [], []
         for dp in range(self.dp_size):
-            mine = [g for g in tokens if step.rank_of_group[g] == dp]
+            mine = [g for g in groups if step.rank_of_group[g] == dp]
             if not mine:
                 continue
-            local = dict(zip(step.local(dp, mine), (tokens[g] for g in mine)))
             for r in self._replica(dp):
-                if r == self.leaders[dp]:
+                leader = r == self.leaders[dp]
+                if leader:
                     leaders.append((dp, len(futures)))
-                futures.append(self.ex.call(self.handles[r], "score_suffix_chunks", step.refs[dp], role, local,
-                                            width, version, final))
+                futures.append(self.ex.call(self.handles[r], method, *args_of(dp, mine, leader)))
         return Pending(futures, lambda values: [(dp, values[i]) for dp, i in leaders])
 
     def set_threads(self, threads: int) -> Pending:

@@ -175,6 +175,13 @@ class PhasePlanner:
             steps = window_s / cost.rate("decode", plan.decode_share)  # decoded during the window
             per_key[("decode", plan.decode_share)] = window_s
             per_key[("decode", self.total)] = steps * cost.rate("decode", self.total)
+        return self._margin(cost, per_key, baseline_s)
+
+    @staticmethod
+    def _margin(cost: CostModel, per_key: dict[tuple[str, int], float], baseline_s: float) -> float:
+        """``MARGIN_Z`` x the quadrature sum of each (kind, threads) term's seconds times its
+        measured relative noise, plus the shortfall of earlier overlapped steps, plus
+        ``MIN_MARGIN_FRAC`` of ``baseline_s``."""
         spread = math.sqrt(sum((cost.relative_noise(kind, threads) * s) ** 2 for (kind, threads), s in per_key.items()))
         return MARGIN_Z * spread + cost.gain_shortfall_s + MIN_MARGIN_FRAC * baseline_s
 
@@ -205,19 +212,17 @@ class PhasePlanner:
         if not bounds or self.total < 2:
             return plan
         kind, movable = "suffix/ref", graph.movable()
-        refs = [t for t in movable if t.kind == "prefix/ref"]
         d_share, c_share = max(1, (self.total + 1) // 2), self.total // 2
-        if calibrating or plan.mode != "plan":
-            if not calibrating or (cost.known(kind, c_share) and cost.known(kind, self.total)):
-                return plan
-            window = list(dict.fromkeys([t.name for t in refs] + list(plan.window_tasks)))
-            return replace(plan, decode_share=d_share, train_share=c_share, window_tasks=run_order(
-                [t for t in movable if t.name in window]), after_tasks=run_order(
-                [t for t in movable if t.name not in window]), chunk_bounds=list(bounds))
-        if not (cost.known(kind, c_share) and cost.known(kind, self.total)):
-            return plan
-        window = [t for t in movable if t.kind == "prefix/ref" or t.name in plan.window_tasks]
+        known = cost.known(kind, c_share) and cost.known(kind, self.total)
+        window = [t for t in movable if t.kind == "prefix/ref" or t.name in plan.window_tasks]  # refs first: chunks need them
         after = [t for t in movable if t not in window]
+        if calibrating or plan.mode != "plan":
+            if not calibrating or known:
+                return plan
+            return replace(plan, decode_share=d_share, train_share=c_share, window_tasks=run_order(window),
+                           after_tasks=run_order(after), chunk_bounds=list(bounds))
+        if not known:
+            return plan
         rate_d, rate_full = cost.rate("decode", d_share), cost.rate("decode", self.total)
         busy = sum(cost.seconds(t.kind, t.tokens, c_share) for t in window)  # train side, from decode start
         for bound, tokens in zip(bounds, chunk_tokens):
@@ -234,8 +239,7 @@ class PhasePlanner:
         for t in window:
             for threads in (c_share, self.total):
                 per_key[(t.kind, threads)] = per_key.get((t.kind, threads), 0.0) + cost.seconds(t.kind, t.tokens, threads)
-        spread = math.sqrt(sum((cost.relative_noise(k, th) * sec) ** 2 for (k, th), sec in per_key.items()))
-        margin = MARGIN_Z * spread + cost.gain_shortfall_s + MIN_MARGIN_FRAC * baseline
+        margin = self._margin(cost, per_key, baseline)
         candidates = dict(plan.candidates, **{f"chunks_{d_share}_{c_share}": predicted - suffix_full_s})
         if baseline - predicted <= margin:
             return replace(plan, candidates=candidates)

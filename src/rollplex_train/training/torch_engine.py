@@ -125,25 +125,27 @@ class TorchTrainEngine(TrainEngine):
         # the group's own width, not the batch's: the numbers do not depend on which groups share a call
         width = max(1, int(part["response_mask"].sum(-1).max()))
         chunked = self.chunked.pop((prompt.uid, store_role, version), None)
-        if chunked is not None and chunked.width == width and chunked.n == len(rows):
-            with self._compute():  # scored in chunks during decode (score_suffix_chunks): finish it
+        if chunked is not None and (chunked.width, chunked.n) != (width, len(rows)):
+            chunked = None  # not the pass these rows need: score them in one call
+        state = None if chunked is not None else self._held_prefix(prompt, store_role, version)
+        with self._compute():
+            if chunked is not None:  # scored in chunks during decode (score_suffix_chunks): finish it
                 logp, ent = chunked.log_probs(part["response_ids"][:, :width], part["response_mask"][:, :width],
                                               temperature=temperature, with_entropy=with_entropy)
-            self.prefixes.release(prompt.uid, store_role, version)
-            pad = part["response_ids"].shape[1] - width
-            return self._on_device(part), (torch.nn.functional.pad(logp, (0, pad)),
-                                           None if ent is None else torch.nn.functional.pad(ent, (0, pad)))
-        if not self.prefixes.holds(prompt.uid, store_role, version):  # not precomputed in a decode window
-            self._encode([prompt], store_role)
-        state = self.prefixes.take(prompt.uid, store_role, version)
-        with self._compute():
-            logp, ent = self.prefix_passes.score(model, [state], torch.zeros(len(rows), dtype=torch.long),
-                                                 part["response_ids"][:, :width], part["response_mask"][:, :width],
-                                                 temperature=temperature, with_entropy=with_entropy)
+            else:
+                logp, ent = self.prefix_passes.score(model, [state], torch.zeros(len(rows), dtype=torch.long),
+                                                     part["response_ids"][:, :width], part["response_mask"][:, :width],
+                                                     temperature=temperature, with_entropy=with_entropy)
         self.prefixes.release(prompt.uid, store_role, version)  # the suffix pass was its last consumer
         pad = part["response_ids"].shape[1] - width
         return self._on_device(part), (torch.nn.functional.pad(logp, (0, pad)),
                                        None if ent is None else torch.nn.functional.pad(ent, (0, pad)))
+
+    def _held_prefix(self, prompt, store_role: str, version):
+        """The stored prefix state of ``prompt`` (encoded now when no decode window made it)."""
+        if not self.prefixes.holds(prompt.uid, store_role, version):
+            self._encode([prompt], store_role)
+        return self.prefixes.take(prompt.uid, store_role, version)
 
     def _compute(self):
         """The forward-pass precision context (``model.compute_dtype``; ``device.py``)."""
@@ -275,9 +277,7 @@ class TorchTrainEngine(TrainEngine):
             prompt = prompts[index]
             chunked = self.chunked.get((prompt.uid, store_role, version))
             if chunked is None:
-                if not self.prefixes.holds(prompt.uid, store_role, version):
-                    self._encode([prompt], store_role)
-                chunked = ChunkedSuffix(model, self.prefixes.take(prompt.uid, store_role, version), ids.shape[0], width)
+                chunked = ChunkedSuffix(model, self._held_prefix(prompt, store_role, version), ids.shape[0], width)
                 self.chunked[(prompt.uid, store_role, version)] = chunked
             end = min(ids.shape[1], width - 1) if final else chunk_end(chunked.scored, ids.shape[1], width)
             if end > chunked.scored:
