@@ -189,6 +189,14 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
     chunked = runs["rollplex+chunks"][0]
     assert chunked[2]["rollplex/suffix_chunks"] > 0 and chunked[2]["rollplex/suffix_chunks_s"] > 0
     assert chunked[2]["timing_s/ref"] < runs["serial+ignore_eos"][0][2]["timing_s/ref"]  # only the last chunks left
+    # the chunks' baseline is the one-call pass, measured on the whole device in the steps without
+    # chunks (the reference phase of steps 1-2), a separate kind from the chunks (both thread counts)
+    state = json.loads((tmp_path / "rollplex+chunks" / "checkpoints" / "global_step_4" / "trainer_state.json").read_text())
+    cost = state["schedule"]["cost"]
+    whole = max(cost["rates"]["chunk/ref"], key=int)
+    assert set(cost["rates"]["suffix/ref"]) == {whole} and len(cost["rates"]["chunk/ref"]) == 2
+    counts = {(kind, threads): n for kind, threads, n in cost["counts"]}
+    assert cost["rates"]["suffix/ref"][whole] > 0 and counts[("suffix/ref", int(whole))] in (2, 3)  # steps 1-2 (+4)
     fallback = runs["rollplex+serial_step"][0]
     # steps 1-2 measure the prefixes on the whole device; step 3 would split an empty window
     assert [r["rollplex/serial_step"] for r in fallback] == [0.0, 0.0, 1.0, 1.0]

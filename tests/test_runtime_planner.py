@@ -160,10 +160,12 @@ def test_cost_model_state_round_trips_through_json():
     assert PhasePlanner(2).plan(g, restored).__dict__ == PhasePlanner(2).plan(g, cost).__dict__
 
 
-def with_suffix(cost: CostModel, suffix_f: float, rate: float = 1e-3) -> CostModel:
-    """``cost`` with reference suffix chunk rates at 1 and 2 threads (Amdahl fraction ``suffix_f``)."""
+def with_suffix(cost: CostModel, suffix_f: float, rate: float = 1e-3, one_call: float = 0.8e-3) -> CostModel:
+    """``cost`` with reference suffix chunk rates at 1 and 2 threads (Amdahl fraction ``suffix_f``)
+    and the one-call pass's rate on 2 threads (``one_call`` s/token: cheaper than a chunk's)."""
     for threads in (1, 2, 2):
-        cost.observe("suffix/ref", 1000, threads, 1000 * rate * amdahl(threads, suffix_f))
+        cost.observe("chunk/ref", 1000, threads, 1000 * rate * amdahl(threads, suffix_f))
+    cost.observe("suffix/ref", 1000, 2, 1000 * one_call)
     return cost
 
 
@@ -188,10 +190,19 @@ def test_suffix_chunks_calibrate_then_run_only_where_they_pay():
     # share); after it the last chunk, 300 tokens on 2 threads: 0.3 s
     assert plan.chunk_bounds == bounds and plan.overlaps and len(plan.window_tasks) == 6 and not plan.after_tasks
     assert plan.predicted_s + plan.suffix_full_s == pytest.approx(2.0 + 0.3 + 2 * cost.switch_s)
-    assert plan.suffix_full_s == pytest.approx(812 * 1e-3)
+    assert plan.suffix_full_s == pytest.approx(812 * 0.8e-3)  # the baseline: the one-call pass, not the chunks
     assert plan.planned_gain_s == pytest.approx(base.predicted_s + plan.suffix_full_s
                                                 - (plan.predicted_s + plan.suffix_full_s))
     assert plan.planned_gain_s > plan.margin_s > 0
+    # the same chunks against a one-call pass that is nearly free: no gain; and none planned before
+    # the one-call pass was measured
+    cheap = with_suffix(calibrated(decode_f=0.0, prefix_f=1.0, decode_rate=0.02), suffix_f=1.0, rate=2e-3, one_call=1e-5)
+    assert not planner.stream_chunks(planner.plan(g, cheap), g, cheap, bounds, tokens, 300, calibrating=False).chunk_bounds
+    unmeasured = calibrated(decode_f=0.0, prefix_f=1.0, decode_rate=0.02)
+    for threads in (1, 2, 2):
+        unmeasured.observe("chunk/ref", 1000, threads, 1000 * 2e-3 * amdahl(threads, 1.0))
+    assert not planner.stream_chunks(planner.plan(g, unmeasured), g, unmeasured, bounds, tokens, 300,
+                                     calibrating=False).chunk_bounds
 
     cost = with_suffix(calibrated(decode_f=1.0, prefix_f=1.0, decode_rate=0.02), suffix_f=1.0, rate=2e-3)
     base = planner.plan(g, cost)

@@ -195,8 +195,12 @@ class PhasePlanner:
         ``plan``'s other window tasks, then chunk ``j`` as soon as decode has produced
         ``bounds[j]`` tokens; the last chunk (``final_tokens``) runs after decode on the whole device.
         Predicted: ``max(decode end, window end) + last chunk + after tasks + 2 re-shares``, against
-        ``plan.predicted_s`` plus the whole pass on the whole device. The margin is
-        :meth:`margin_s`'s, over the terms in which the two differ.
+        ``plan.predicted_s`` plus the whole pass in one call on the whole device. Chunks are timed
+        as ``chunk/ref`` (per thread count), the one-call pass as ``suffix/ref`` (whole device,
+        measured in steps without chunks): a chunk costs more per token than the one call (fewer
+        GEMM rows, attention over the pass's whole width), so taking the chunks' rate for the
+        baseline would overstate the gain. The margin is :meth:`margin_s`'s, over the terms in which
+        the two differ.
 
         Args:
             plan: the prefix-task plan (mode ``plan``); graph: the step graph it was made from
@@ -204,14 +208,14 @@ class PhasePlanner:
             bounds: decoded tokens at which chunk ``j`` can start; chunk_tokens: its input tokens
                 (all rows); final_tokens: the last chunk's.
             calibrating: a ``profile_split`` step: chunks at the even split whatever the prediction
-                (measures ``suffix/ref`` beside decode), when ``suffix/ref`` is not yet known there.
+                (measures ``chunk/ref`` beside decode), when ``chunk/ref`` is not yet known there.
 
         Returns:
             a :class:`WindowPlan` with ``chunk_bounds`` set, or ``plan``.
         """
         if not bounds or self.total < 2:
             return plan
-        kind, movable = "suffix/ref", graph.movable()
+        kind, movable = "chunk/ref", graph.movable()
         d_share, c_share = max(1, (self.total + 1) // 2), self.total // 2
         known = cost.known(kind, c_share) and cost.known(kind, self.total)
         window = [t for t in movable if t.kind == "prefix/ref" or t.name in plan.window_tasks]  # refs first: chunks need them
@@ -221,7 +225,7 @@ class PhasePlanner:
                 return plan
             return replace(plan, decode_share=d_share, train_share=c_share, window_tasks=run_order(window),
                            after_tasks=run_order(after), chunk_bounds=list(bounds))
-        if not known:
+        if not known or not cost.known("suffix/ref", self.total):
             return plan
         rate_d, rate_full = cost.rate("decode", d_share), cost.rate("decode", self.total)
         busy = sum(cost.seconds(t.kind, t.tokens, c_share) for t in window)  # train side, from decode start
@@ -229,13 +233,14 @@ class PhasePlanner:
             busy = max(busy, bound * rate_d) + cost.seconds(kind, tokens, c_share)
         decode_s = graph.decode_steps * rate_d
         switch_s = cost.switch_s if cost.switch_s is not None else DEFAULT_SWITCH_S
-        suffix_full_s = cost.seconds(kind, sum(chunk_tokens) + final_tokens, self.total)
+        suffix_full_s = cost.seconds("suffix/ref", sum(chunk_tokens) + final_tokens, self.total)
         predicted = (max(decode_s, busy) + cost.seconds(kind, final_tokens, self.total) + 2 * switch_s
                      + sum(cost.seconds(t.kind, t.tokens, self.total) for t in after))
         baseline = plan.predicted_s + suffix_full_s
         per_key = {("decode", d_share): decode_s, ("decode", self.total): graph.decode_steps * rate_full,
                    (kind, c_share): cost.seconds(kind, sum(chunk_tokens), c_share),
-                   (kind, self.total): cost.seconds(kind, sum(chunk_tokens), self.total)}
+                   (kind, self.total): cost.seconds(kind, final_tokens, self.total),
+                   ("suffix/ref", self.total): suffix_full_s}
         for t in window:
             for threads in (c_share, self.total):
                 per_key[(t.kind, threads)] = per_key.get((t.kind, threads), 0.0) + cost.seconds(t.kind, t.tokens, threads)

@@ -12,7 +12,8 @@ placement under the cost model (``runtime/cost_model.py``), then drive it:
    when the plan overlaps nothing and no decode tail can form (``rollout.ignore_eos``), the step
    is the serial schedule's instead (``rollplex/serial_step``): the planner never makes it slower;
 5. feed the measured seconds (decode per thread count, prefix per role and thread count, the
-   re-share cost) back into the cost model.
+   re-share cost, reference suffix chunks, and the one-call reference suffix pass of steps whose
+   reference prefixes were all held before it) back into the cost model.
 
 The phases after decode are the serial ones, now running only the suffixes against the stored
 prefixes.
@@ -45,6 +46,15 @@ log = logging.getLogger(__name__)
 class PrefillBudgetError(ValueError):
     """``schedule.prefill_from_actor=true`` but the first mini-batch's actor prefixes would outgrow
     ``schedule.prefix_memory_gib`` across decode (the CLI reports it on one line with the last checkpoint)."""
+
+
+def suffix_input_tokens(batch, groups: list[int]) -> int:
+    """Input tokens of the suffix pass over ``groups`` of ``batch`` as the chunks count them: per
+    group, its rows times (its longest response - 1) (the last response token is no input; shorter
+    rows are padded to the longest)."""
+    lengths = batch.response_mask.sum(-1)
+    return sum(len(rows) * max(0, int(lengths[rows].max()) - 1)
+               for rows in (batching.group_rows(batch, [g]) for g in groups))
 
 
 def prefix_calls(task_names: list[str]) -> list[tuple[str, list[int]]]:
@@ -90,6 +100,7 @@ class RollplexSchedule(SerialSchedule):
         self.bytes_per_token: dict[str, float] = {}
         self.last_plan: WindowPlan | None = None
         self.streamed: dict[str, dict] = {"actor": {}, "ref": {}}  # role -> group -> tail log-probs
+        self.ref_pass_measurable = False  # this step's reference phase is one suffix pass (prefixes held)
 
     def state_dict(self) -> dict:
         """The calibrated cost model and size estimates: a resumed run plans without re-profiling."""
@@ -244,6 +255,7 @@ class RollplexSchedule(SerialSchedule):
         serial schedule's does; the other prefixes run inside the later phases, as there. The
         decode rate still feeds the cost model."""
         self.streamed = {"actor": {}, "ref": {}}
+        self.ref_pass_measurable = False  # its reference prefixes run inside the reference phase
         gen_start = self.timeline.now()
         responses, metrics = super().rollout_phase(step_prompts, step, t, prefixes)
         gen_end = self.timeline.now()
@@ -275,6 +287,7 @@ class RollplexSchedule(SerialSchedule):
         # shares change only while the training worker is idle (its calls run in order)
         share = self._set_share(split if plan.overlaps else full, full, t)
         chunks = bool(plan.chunk_bounds)
+        self.ref_pass_measurable = not chunks  # every reference prefix runs in the window or after it
         chunk_calls: list = []  # reference suffix chunk calls (Pending), in order
         decoded: dict[int, torch.Tensor] = {}  # group -> tokens so far, not yet sent to a chunk call
         with tl.span("gen", "rollout", t):
@@ -355,7 +368,13 @@ class RollplexSchedule(SerialSchedule):
         """Suffix log-probs: groups scored during the decode tail are reused, the rest computed now."""
         scored = self.streamed.get(role, {})
         if not scored:
-            return super().log_probs(batch, role, temperature)
+            begin = time.perf_counter()
+            out = super().log_probs(batch, role, temperature)
+            if role == "ref" and self.ref_pass_measurable:  # the whole pass in one call: the chunks' baseline
+                # per device, as the planner plans each DP rank: the rank with the most tokens ends last
+                tokens = max(suffix_input_tokens(batch, groups) for groups in self.step_prompts.groups_of_dp)
+                self.cost.observe("suffix/ref", tokens, self.workers.threads, time.perf_counter() - begin)
+            return out
         out = torch.zeros(batch.response_mask.shape, dtype=torch.float32)
         missing = [g for g in range(len(batch.prompts)) if g not in scored]
         if missing:
@@ -382,8 +401,10 @@ class RollplexSchedule(SerialSchedule):
         self.response_tokens = max(1, round(sum(len(x.token_ids) for x in responses) / num_groups))
 
     def _observe_chunks(self, window: list[dict], final: list[dict]) -> None:
-        """Feed the reference suffix chunk rates into the cost model: the window's calls summed
-        per thread count (one observation a step), and the last chunks run on the whole device."""
+        """Feed the reference suffix chunk rates into the cost model (kind ``chunk/ref``): the
+        window's calls summed per thread count (one observation a step), and the last chunks run on
+        the whole device. A chunk's rate is not the one-call pass's (``suffix/ref``): a chunk's GEMMs
+        have fewer rows and its attention reads the pass's whole key/value width."""
         for results in (window, final):
             by_threads: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
             for r in results:
@@ -391,7 +412,7 @@ class RollplexSchedule(SerialSchedule):
                 entry[0] += r["suffix/ref/seconds"]
                 entry[1] += r["suffix/ref/tokens"]
             for threads, (seconds, tokens) in by_threads.items():
-                self.cost.observe("suffix/ref", int(tokens), threads, seconds)
+                self.cost.observe("chunk/ref", int(tokens), threads, seconds)
 
     def _metrics(self, plan: WindowPlan, results: list[dict], gen_start: float, gen_end: float,
                  chunk_results: list[dict] = ()) -> dict[str, float]:
