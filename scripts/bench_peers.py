@@ -39,6 +39,12 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/bench_peers")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both sides (smoke runs)")
     args = parser.parse_args()
+    for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--systems", args.systems, SYSTEMS)):
+        unknown = [name for name in given.split(",") if name not in known]
+        if unknown:
+            parser.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; expected some of {', '.join(known)}")
+    if args.rounds < 1:
+        parser.error(f"--rounds={args.rounds}: expected at least 1")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)

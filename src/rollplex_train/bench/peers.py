@@ -65,12 +65,27 @@ def wait_for_idle(max_load: float, max_wait_s: float, poll_s: float = 5.0) -> tu
     return os.getloadavg()[0], time.monotonic() - start
 
 
+class RunKilled(RuntimeError):
+    """A benchmark run's process was ended by a signal (on the CPU machine: the kernel's OOM killer,
+    SIGKILL, when TRL's video run outgrows memory). The rounds go on without it; a run that fails
+    by itself (a non-zero exit status) stops them."""
+
+
+def _check_exit(proc: subprocess.CompletedProcess, what: str) -> None:
+    """Raise :class:`RunKilled` (ended by a signal) or RuntimeError (failed) for a finished run."""
+    if proc.returncode < 0:
+        raise RunKilled(f"{what} killed by signal {-proc.returncode}")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+
+
 def run_rollplex(experiment: str, label: str, steps: int, timed_from: int, out: Path,
                  overrides: list[str]) -> dict[str, float]:
     """One ``rollplex-train`` run; the mean of the timed steps' ``step`` and phase seconds.
 
     Raises:
         ValueError: ``timed_from`` is not within 1..``steps``.
+        RunKilled: the run was ended by a signal.
         RuntimeError: the run failed (its stderr tail in the message).
     """
     from rollplex_train.tracking.loggers import read_metrics_jsonl
@@ -82,8 +97,7 @@ def run_rollplex(experiment: str, label: str, steps: int, timed_from: int, out: 
     cmd = [str(cli), f"+experiment={experiment}", *SCHEDULES[label], *overrides, f"trainer.total_steps={steps}",
            "trainer.resume=disable", f"hydra.run.dir={out}", f"trainer.output_dir={out}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
-    if proc.returncode != 0:
-        raise RuntimeError(f"{experiment} {label} failed:\n{proc.stderr[-3000:]}")
+    _check_exit(proc, f"{experiment} {label}")
     rows = [r for r in read_metrics_jsonl(out / "metrics.jsonl") if r["step"] >= timed_from]
     mean = lambda *keys: sum(r.get(k, 0.0) for r in rows for k in keys) / len(rows)  # noqa: E731
     result = {"step": mean("timing_s/step"), **{p: mean(*k) for p, k in ROLLPLEX_PHASES.items()},
@@ -99,13 +113,13 @@ def run_trl(experiment: str, steps: int, timed_from: int, out: Path, overrides: 
     and the input check.
 
     Raises:
+        RunKilled: the run was ended by a signal.
         RuntimeError: the run failed, or TRL's model did not see rollplex's prompt ids and pixels.
     """
     cmd = [sys.executable, "-m", "rollplex_train.bench.trl_peer", "--experiment", experiment, "--steps", str(steps),
            "--out", str(out), *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, WANDB_MODE="offline"))
-    if proc.returncode != 0:
-        raise RuntimeError(f"{experiment} trl failed:\n{proc.stderr[-3000:]}")
+    _check_exit(proc, f"{experiment} trl")
     data = json.loads((out / "trl.json").read_text())
     check = data["check"]
     if not (check["ids_equal"] and check["pixels_equal"] and check["steps_checked"] == steps):
@@ -158,8 +172,10 @@ def run_rounds(workloads: list[str], systems: list[str], rounds: int, out: Path,
     timed over the same steps, ``timed_from`` on (after rollplex's calibration steps, so both are
     compared at the same point of a run's life and over more than one step); the full-sequence
     ``serial`` runs ``full_sequence_steps`` timed from step 2, TRL ``trl_steps`` from step 2.
-    ``report`` gets a line per finished run."""
+    ``report`` gets a line per finished run. A run ended by a signal (:class:`RunKilled`) is reported,
+    listed under ``killed`` in ``results.json`` and left out of the medians; the rounds go on."""
     results: dict[str, dict[str, list[dict]]] = {w: {s: [] for s in systems} for w in workloads}
+    killed: list[str] = []
     for rnd in range(rounds):
         for workload in workloads:
             for system in systems:
@@ -168,15 +184,21 @@ def run_rounds(workloads: list[str], systems: list[str], rounds: int, out: Path,
                 load, waited = wait_for_idle(max_load, max_wait_s)
                 where = out / workload / system / f"round{rnd + 1}"
                 begin = time.monotonic()
-                if system == "trl":
-                    run = run_trl(workload, trl_steps, 2, where, overrides)
-                else:
-                    n, first = (full_sequence_steps, 2) if system == "serial" else (steps, timed_from)
-                    run = run_rollplex(workload, system, n, first, where, overrides)
+                try:
+                    if system == "trl":
+                        run = run_trl(workload, trl_steps, 2, where, overrides)
+                    else:
+                        n, first = (full_sequence_steps, 2) if system == "serial" else (steps, timed_from)
+                        run = run_rollplex(workload, system, n, first, where, overrides)
+                except RunKilled as err:
+                    killed.append(f"round {rnd + 1}: {err}")
+                    report(f"round {rnd + 1} {workload:<12} {system:<14} KILLED: {err} (left out of the medians)")
+                    (out / "results.json").write_text(json.dumps(dict(results, killed=killed), indent=1, default=str))
+                    continue
                 run.update(load=load, waited_s=waited, wall_s=time.monotonic() - begin, round=rnd + 1)
                 results[workload][system].append(run)
                 report(f"round {rnd + 1} {workload:<12} {system:<14} step {run['step']:7.2f} s  "
                        + " ".join(f"{p} {run.get(p, 0.0):6.2f}" for p in PHASES)
                        + f"  (load {load:.1f} at start, waited {waited:.0f} s, run {run['wall_s']:.0f} s)")
-                (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+                (out / "results.json").write_text(json.dumps(dict(results, killed=killed), indent=1, default=str))
     return results
