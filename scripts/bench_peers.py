@@ -40,11 +40,19 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for both sides (smoke runs)")
     args = parser.parse_args()
     for flag, given, known in (("--workloads", args.workloads, WORKLOADS), ("--systems", args.systems, SYSTEMS)):
-        unknown = [name for name in given.split(",") if name not in known]
+        names = given.split(",")
+        unknown = [name for name in names if name not in known]
         if unknown:
             parser.error(f"{flag}: unknown {', '.join(map(repr, unknown))}; expected some of {', '.join(known)}")
+        if len(set(names)) < len(names):
+            parser.error(f"{flag}={given}: a name given twice")
     if args.rounds < 1:
         parser.error(f"--rounds={args.rounds}: expected at least 1")
+    for flag, value in (("--trl-steps", args.trl_steps), ("--full-sequence-steps", args.full_sequence_steps)):
+        if value < 2:
+            parser.error(f"{flag}={value}: expected at least 2 (timed from step 2)")
+    if not 1 <= args.timed_from <= args.steps:
+        parser.error(f"--timed-from={args.timed_from}: expected 1..--steps ({args.steps})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
@@ -63,6 +71,10 @@ def main() -> None:
         print("settings that cannot be made equal:")
         print("\n".join(f"  - {u}" for u in trl[0]["unequal"]))
         print("TRL settings: " + json.dumps(trl[0]["settings"], default=str))
+    missing = [f"{w} {s}: {len(runs)} of {args.rounds}" for w, systems in results.items() for s, runs in systems.items()
+               if len(runs) < args.rounds and not (s == "serial" and args.full_sequence_rounds is not None)]
+    if missing:  # runs killed by SIGKILL (listed above and in results.json): medians over fewer rounds
+        print("rounds missing (killed runs): " + "; ".join(missing))
     line = last_line(results)
     if line:
         print(line)

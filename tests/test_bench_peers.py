@@ -1,5 +1,5 @@
 """scripts/bench_peers.py's own checks, without TRL: unknown workloads/systems and a round count
-below 1 are refused in one line (argparse's usage + error, exit 2) before anything starts; a run
+below 1, duplicate names and step counts that leave nothing to time are refused in one line (argparse's usage + error, exit 2) before anything starts; a run
 killed by a signal is left out of the medians while the rounds go on."""
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--workloads", "bench_short,nope"], "--workloads: unknown 'nope'; expected some of bench_short, bench_image, bench_video"),
     (["--systems", "trl,fast"], "--systems: unknown 'fast'; expected some of trl, serial, serial_shared, rollplex"),
     (["--rounds", "0"], "--rounds=0: expected at least 1"),
+    (["--workloads", "bench_short,bench_short"], "--workloads=bench_short,bench_short: a name given twice"),
+    (["--trl-steps", "1"], "--trl-steps=1: expected at least 2 (timed from step 2)"),
+    (["--steps", "3"], "--timed-from=4: expected 1..--steps (3)"),
 ])
 def test_bench_peers_refuses_bad_arguments_in_one_line(args, message, tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_peers.py"), *args, "--out", str(tmp_path / "o")],

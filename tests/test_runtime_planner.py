@@ -208,3 +208,23 @@ def test_suffix_chunks_calibrate_then_run_only_where_they_pay():
     base = planner.plan(g, cost)
     kept = planner.stream_chunks(base, g, cost, bounds, tokens, 300, calibrating=False)
     assert not kept.chunk_bounds and kept.predicted_s == base.predicted_s and "chunks_1_1" in kept.candidates
+
+
+def test_cost_model_saved_before_chunk_rates_had_their_kind_is_renamed_on_load():
+    """Checkpoints of the older code observed the chunks as ``suffix/ref``: on resume those rates
+    become ``chunk/ref`` and the one-call pass is unmeasured (no chunks planned until it is)."""
+    from rollplex_train.runtime.rollplex import rename_old_chunk_rates
+
+    old = CostModel()
+    for threads in (1, 2, 2, 2):
+        old.observe("suffix/ref", 1000, threads, 0.4 if threads == 1 else 0.25 + 0.01 * len(old.noise))
+    state = old.state_dict()
+    cost = CostModel()
+    cost.load_state_dict(state)
+    rename_old_chunk_rates(cost)
+    assert "suffix/ref" not in cost.rates and cost.rates["chunk/ref"] == old.rates["suffix/ref"]
+    assert cost.counts == {("chunk/ref", 1): 1, ("chunk/ref", 2): 3} and set(cost.noise) == {("chunk/ref", 2)}
+    new = with_suffix(CostModel(), suffix_f=1.0)  # both kinds: left as they are
+    before = new.state_dict()
+    rename_old_chunk_rates(new)
+    assert new.state_dict() == before

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,15 +67,16 @@ def wait_for_idle(max_load: float, max_wait_s: float, poll_s: float = 5.0) -> tu
 
 
 class RunKilled(RuntimeError):
-    """A benchmark run's process was ended by a signal (on the CPU machine: the kernel's OOM killer,
-    SIGKILL, when TRL's video run outgrows memory). The rounds go on without it; a run that fails
-    by itself (a non-zero exit status) stops them."""
+    """A benchmark run's process was ended by SIGKILL (on the CPU machine: the kernel's OOM killer,
+    when TRL's video run outgrows memory). The rounds go on without it; a run that fails by itself
+    (a non-zero exit status, or another signal such as SIGSEGV) stops them."""
 
 
 def _check_exit(proc: subprocess.CompletedProcess, what: str) -> None:
-    """Raise :class:`RunKilled` (ended by a signal) or RuntimeError (failed) for a finished run."""
-    if proc.returncode < 0:
-        raise RunKilled(f"{what} killed by signal {-proc.returncode}")
+    """Raise :class:`RunKilled` (ended by SIGKILL) or RuntimeError (failed) for a finished run."""
+    if proc.returncode == -signal.SIGKILL:
+        raise RunKilled(f"{what} killed by signal {-proc.returncode} (SIGKILL); stderr tail: "
+                        + " | ".join(proc.stderr.strip().splitlines()[-3:]))
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
 

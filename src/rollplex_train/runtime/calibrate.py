@@ -1,10 +1,11 @@
 """A measured run's cost model, completed from its metrics, for ``rollplex-plan timeline``.
 
 A rollplex run saves its planner calibration with every checkpoint (``trainer_state.json`` ->
-``schedule`` -> ``cost``: decode and prefix rates per thread count, the re-share cost; plus the
-graph's size estimates). The phases after decode are not in that cost model; their rates come from
-the same run's ``metrics.jsonl`` (``timing_s/*``, medians over steps 2 .. the checkpoint's step; step
-1 carries warm-up) at the thread count the run used:
+``schedule`` -> ``cost``: decode and prefix rates per thread count, the re-share cost, the
+reference suffix chunks' and one-call pass's rates per input token; plus the graph's size
+estimates). The rates of the phases after decode come from the same run's ``metrics.jsonl``
+(``timing_s/*``, medians over steps 2 .. the checkpoint's step; step 1 carries warm-up) at the thread
+count the run used; the saved ``suffix/ref`` is replaced by this per-response-token rate:
 
 - ``suffix/old`` / ``suffix/ref``: ``timing_s/old_log_prob`` / ``timing_s/ref`` per response token
   (under rollplex these phases run the suffixes only);

@@ -197,7 +197,7 @@ class PhasePlanner:
         Predicted: ``max(decode end, window end) + last chunk + after tasks + 2 re-shares``, against
         ``plan.predicted_s`` plus the whole pass in one call on the whole device. Chunks are timed
         as ``chunk/ref`` (per thread count), the one-call pass as ``suffix/ref`` (whole device,
-        measured in steps without chunks): a chunk costs more per token than the one call (fewer
+        measured in profiling and overlapped steps without chunks): a chunk costs more per token than the one call (fewer
         GEMM rows, attention over the pass's whole width), so taking the chunks' rate for the
         baseline would overstate the gain. The margin is :meth:`margin_s`'s, over the terms in which
         the two differ.

@@ -48,6 +48,18 @@ class PrefillBudgetError(ValueError):
     ``schedule.prefix_memory_gib`` across decode (the CLI reports it on one line with the last checkpoint)."""
 
 
+def rename_old_chunk_rates(cost: CostModel) -> None:
+    """A cost model saved before the chunks had a kind of their own: its ``suffix/ref`` rates,
+    counts and noise were the chunks' (``chunk/ref`` now); the one-call pass is then unmeasured, and
+    the planner takes no chunks until a step without them measures it."""
+    if "suffix/ref" not in cost.rates or "chunk/ref" in cost.rates:
+        return
+    cost.rates["chunk/ref"] = cost.rates.pop("suffix/ref")
+    for table in (cost.counts, cost.noise):
+        for key in [k for k in table if k[0] == "suffix/ref"]:
+            table[("chunk/ref", key[1])] = table.pop(key)
+
+
 def suffix_input_tokens(batch, groups: list[int]) -> int:
     """Input tokens of the suffix pass over ``groups`` of ``batch`` as the chunks count them: per
     group, its rows times (its longest response - 1) (the last response token is no input; shorter
@@ -111,6 +123,7 @@ class RollplexSchedule(SerialSchedule):
         if not state:  # a checkpoint written by another schedule
             return
         self.cost.load_state_dict(state["cost"])
+        rename_old_chunk_rates(self.cost)
         self.response_tokens, self.decode_steps = int(state["response_tokens"]), int(state["decode_steps"])
         self.bytes_per_token = {k: float(v) for k, v in state["bytes_per_token"].items()}
 
@@ -370,7 +383,8 @@ class RollplexSchedule(SerialSchedule):
         if not scored:
             begin = time.perf_counter()
             out = super().log_probs(batch, role, temperature)
-            if role == "ref" and self.ref_pass_measurable:  # the whole pass in one call: the chunks' baseline
+            if role == "ref" and self.ref_pass_measurable and self.cfg.suffix_chunks_possible():
+                # the whole pass in one call: the chunks' baseline
                 # per device, as the planner plans each DP rank: the rank with the most tokens ends last
                 tokens = max(suffix_input_tokens(batch, groups) for groups in self.step_prompts.groups_of_dp)
                 self.cost.observe("suffix/ref", tokens, self.workers.threads, time.perf_counter() - begin)
