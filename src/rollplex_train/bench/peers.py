@@ -195,12 +195,11 @@ def run_rounds(workloads: list[str], systems: list[str], rounds: int, out: Path,
                 except RunKilled as err:
                     killed.append(f"round {rnd + 1}: {err}")
                     report(f"round {rnd + 1} {workload:<12} {system:<14} KILLED: {err} (left out of the medians)")
-                    (out / "results.json").write_text(json.dumps(dict(results, killed=killed), indent=1, default=str))
-                    continue
-                run.update(load=load, waited_s=waited, wall_s=time.monotonic() - begin, round=rnd + 1)
-                results[workload][system].append(run)
-                report(f"round {rnd + 1} {workload:<12} {system:<14} step {run['step']:7.2f} s  "
-                       + " ".join(f"{p} {run.get(p, 0.0):6.2f}" for p in PHASES)
-                       + f"  (load {load:.1f} at start, waited {waited:.0f} s, run {run['wall_s']:.0f} s)")
+                else:
+                    run.update(load=load, waited_s=waited, wall_s=time.monotonic() - begin, round=rnd + 1)
+                    results[workload][system].append(run)
+                    report(f"round {rnd + 1} {workload:<12} {system:<14} step {run['step']:7.2f} s  "
+                           + " ".join(f"{p} {run.get(p, 0.0):6.2f}" for p in PHASES)
+                           + f"  (load {load:.1f} at start, waited {waited:.0f} s, run {run['wall_s']:.0f} s)")
                 (out / "results.json").write_text(json.dumps(dict(results, killed=killed), indent=1, default=str))
     return results
