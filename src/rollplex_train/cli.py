@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -39,10 +40,21 @@ def _user_errors(program: str):
         raise SystemExit(2) from err
 
 
+class Terminated(BaseException):
+    """SIGTERM reached the driver (a scheduler's time limit: SLURM sends it before SIGKILL; ``kill``).
+    Raised in the main thread like ``KeyboardInterrupt`` for SIGINT, so the same ``finally`` blocks
+    run (workers shut down, Ray's logs kept); a ``BaseException`` so no ``except Exception`` takes it."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
 @contextlib.contextmanager
 def _run_errors(trainer):
     """Around ``Trainer.fit``: Ctrl-C (SIGINT) ends the run with one line naming the last
-    checkpoint and exit code 130 (128 + SIGINT, the shell's convention); a reward function that
+    checkpoint and exit code 130 (128 + SIGINT, the shell's convention), SIGTERM the same with exit
+    code 143 (128 + SIGTERM); a reward function that
     fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1;
     data that stops yielding full batches (rows found bad only when loaded) and required actor
     prefixes over the memory budget (``schedule.prefill_from_actor=true``) with one line and exit
@@ -51,14 +63,16 @@ def _run_errors(trainer):
     from rollplex_train.data.loader import NoBatchError
     from rollplex_train.runtime.rollplex import PrefillBudgetError
 
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)  # kept across ray.init (start_ray)
     try:
         yield
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as err:
+        how, code = ("interrupted", 130) if isinstance(err, KeyboardInterrupt) else ("terminated (SIGTERM)", 143)
         last = trainer.last_checkpoint()
         where = (f"last checkpoint {last} (the same command resumes from it)" if last is not None
                  else "no checkpoint was written")
-        sys.stderr.write(f"\nrollplex-train: interrupted at step {trainer.step}; {where}\n")
-        raise SystemExit(130) from None
+        sys.stderr.write(f"\nrollplex-train: {how} at step {trainer.step}; {where}\n")
+        raise SystemExit(code) from None
     except RewardFailure as err:
         sys.stderr.write(f"rollplex-train: error: {err}\n")
         raise SystemExit(1) from None
@@ -70,6 +84,8 @@ def _run_errors(trainer):
         sys.stderr.write(f"rollplex-train: error: {err} (at step {trainer.step}; "
                          f"{'last checkpoint ' + str(last) if last is not None else 'no checkpoint was written'})\n")
         raise SystemExit(2) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def follow_output_dir(argv: list[str]) -> list[str]:

@@ -6,7 +6,9 @@ import atexit
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from rollplex_train.config import Config
@@ -53,6 +55,32 @@ def _keep_logs(short: Path, target: Path) -> None:
         shutil.rmtree(short, ignore_errors=True)
 
 
+def _ray_init(**kwargs) -> None:
+    """``ray.init(**kwargs)``, then the program's own SIGTERM handler again, where it had one.
+
+    ``ray.init`` takes SIGTERM over twice (Ray 2.60): a Python handler that calls ``sys.exit(15)``
+    (``ray/_private/worker.py``, ``init``) and, when the driver's core worker starts, the C++ failure
+    handler that prints a stack dump for it (``install_failure_signal_handler``, ``_raylet.pyx``).
+    A Python handler installed before (the CLI's: one line naming the last checkpoint, exit code 143)
+    would be lost; it is put back. A program without one keeps Ray's. Ray's automatic ``ray.init``
+    on a call without a cluster is switched off for the rest of the process."""
+    import ray
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    ray.init(**kwargs)
+    if callable(previous):
+        signal.signal(signal.SIGTERM, previous)
+    # A Ray call after ray.shutdown (a stream's feeder thread still reading when the run is stopped)
+    # would otherwise start a new local cluster at interpreter exit: ``RAY_ENABLE_AUTO_CONNECT=0``,
+    # read once when ray is imported (ray/_private/auto_init_hook.py, Ray 2.60), set for this
+    # process too: such a call then raises instead.
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
+
+
 def start_ray(cfg: Config, output_dir: Path) -> None:
     """``ray.init`` a local cluster (temp dir under the run's output dir) or attach to ``cluster.address``.
 
@@ -72,7 +100,7 @@ def start_ray(cfg: Config, output_dir: Path) -> None:
 
         mode = enable_auth_for_address(cfg.cluster.address)
         try:
-            ray.init(address=cfg.cluster.address, runtime_env=env, log_to_driver=True)
+            _ray_init(address=cfg.cluster.address, runtime_env=env, log_to_driver=True)
         except (ConnectionError, ray.exceptions.AuthenticationError) as err:
             raise RuntimeError(
                 f"cluster.address={cfg.cluster.address}: cannot attach (Ray auth mode {mode}): {err.__class__.__name__}. "
@@ -82,7 +110,7 @@ def start_ray(cfg: Config, output_dir: Path) -> None:
     # Ray 2.60 warns on every local start that token authentication is on by default (or off);
     # for a cluster of this machine only that notice is noise (ray/_private/authentication).
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    ray.init(
+    _ray_init(
         num_cpus=cfg.cluster.num_cpus or os.cpu_count(),
         object_store_memory=cfg.cluster.object_store_memory_bytes,
         include_dashboard=False,
