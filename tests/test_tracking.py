@@ -213,7 +213,7 @@ def test_wandb_offline_stays_local(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert list(runs[0].glob("*.wandb"))
     assert list(home.iterdir()) == []  # nothing in ~/.config, ~/.cache, ~/.netrc or old WANDB_* dirs
     assert os.environ["WANDB_DIR"] == str(out / "wandb")
-    assert init_s < 10.0
+    assert init_s < 30.0  # no network wait (wandb's own is 90 s); a loaded machine's service start is slow
 
 
 # ---- timing and progress -----------------------------------------------------------------------
