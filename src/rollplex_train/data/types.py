@@ -43,10 +43,8 @@ class VisionInputs:
         return 0 if self.video_grid_thw is None else int(self.video_grid_thw.shape[0])
 
     def to(self, device) -> "VisionInputs":
-        """The same inputs on ``device`` (``self`` when they are there already)."""
+        """The same inputs on ``device`` (a tensor already there is not copied: ``Tensor.to``)."""
         names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-        if all(getattr(self, n) is None or getattr(self, n).device == torch.device(device) for n in names):
-            return self
         return VisionInputs(**{n: None if getattr(self, n) is None else getattr(self, n).to(device) for n in names})
 
     @staticmethod

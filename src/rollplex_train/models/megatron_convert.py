@@ -129,7 +129,7 @@ def megatron_to_hf(rank_states: list[dict[str, torch.Tensor]], layout: Layout, t
                 shape = layout.hf_shapes[blk.source]
                 dst = out.get(blk.source)
                 if dst is None:
-                    dst = out[blk.source] = torch.empty(shape, dtype=local.dtype)
+                    dst = out[blk.source] = torch.empty(shape, dtype=local.dtype, device=local.device)
                 real = max(0, min(blk.stop, shape[spec.dim]) - blk.start)
                 if real:
                     dst.narrow(spec.dim, blk.start, real).copy_(local.narrow(spec.dim, pos, real))

@@ -164,8 +164,10 @@ def build_full_sequences(
 
     Returns:
         input_ids (N, L) int64, attention_mask (N, L) int64, prompt_lengths (N,) int64, and the
-        vision inputs repeated once per response (the prefix recomputed G times, as verl/TRL do).
+        vision inputs repeated once per response (the prefix recomputed G times, as verl/TRL do),
+        all on the host (the prompts' place; responses on a device are copied back once).
     """
+    response_ids, response_mask = response_ids.cpu(), response_mask.cpu()
     resp_lens = response_mask.sum(-1).long()
     rows, lengths, visions = [], [], []
     for i, g in enumerate(group_index.tolist()):

@@ -26,6 +26,7 @@ import torch
 
 from rollplex_train.data.types import DecodeProgress, PromptSample, Response
 from rollplex_train.models.loading import load_model, load_tokenizer
+from rollplex_train.models.hf_compat import cache_kwargs
 from rollplex_train.models.prefix import PrefixState, encode_prefix
 from rollplex_train.models.sequence import pad_prompts
 from rollplex_train.device import compute_context, model_device
@@ -361,7 +362,7 @@ class BuiltinRolloutEngine(RolloutEngine):
             else:
                 with compute_context(dev, self.compute_dtype):
                     out = model.model(input_ids=next_tok.view(-1, 1), attention_mask=mask, position_ids=pos,
-                                      cache=cache, use_cache=True)
+                                      use_cache=True, **cache_kwargs(model.model, cache))
                 last_hidden = out.last_hidden_state[:, -1]
             num_real = num_real + 1
             tick = self._account(tick, 1)

@@ -1,0 +1,194 @@
+"""Device placement of every model path, on CPU: each path runs under a pretend device
+(``tests/pretend_device.py``) that tags every tensor ``device`` or ``host`` as a GPU run would place
+it, and fails on any op a GPU would refuse (a host tensor of one or more dimensions meeting a device
+tensor, a CPU generator drawing a device tensor).
+
+Paths: the built-in engine's prefill and decode (transformers' forward, the GPU path: the fused CPU
+step is off; handed-in prefixes too), the prefix pass + suffix scoring + chunked suffix with and
+without grad, the full-sequence log-probs forward and backward through the chunked chosen-token head,
+the Megatron model at TP=1 (full sequences, prefix + suffix, forward and backward) and
+``scripts/gpu_check_megatron.py --smoke`` end to end (its inputs and its comparisons), with
+``torch.set_default_device`` taken at its word.
+
+On the code before this test existed it recorded, among others: ``models/rope.py:63`` (video
+seconds on the device times a host ``arange``), ``rope.py:143`` / ``sequence.py:76`` / the text
+model's rotary embedding (M-RoPE positions built on the host), ``models/logprobs.py:77`` (the
+chunked head's gradient buffer on the host), ``training/megatron/model.py:150`` and
+``scoring.py:90,175,177`` (masks, indices and positions without a device), and in the GPU script the
+CPU generators drawing under ``set_default_device`` and ``torch.equal`` of a device and a host tensor.
+
+What it cannot catch (``pretend_device.py``): work on other threads or processes it is not entered
+in (the in-process executor's worker threads; the Megatron check enters it in its spawned rank),
+ops inside C++ (only their results), an explicit ``device="cpu"`` meant as the host, dtype / stream /
+synchronisation / memory questions, and branches taken only when ``device.type == "cuda"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretend_device import PretendDevice
+from rollplex_train.models import sequence
+from rollplex_train.models.loading import load_model
+from rollplex_train.models.prefix import ChunkedSuffix, encode_prefix, score_suffix
+from rollplex_train.models.sequence import build_full_sequences, response_logprobs
+from rollplex_train.rollout.base import SamplingParams
+from rollplex_train.rollout.builtin import BuiltinRolloutEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _responses(num_prompts: int, group: int, length: int, vocab: int, seed: int = 0):
+    """(group_index (N,), response_ids (N, R), response_mask (N, R)) on the host, random real lengths."""
+    g = torch.Generator().manual_seed(seed)
+    n = num_prompts * group
+    ids = torch.randint(0, vocab, (n, length), generator=g)
+    lengths = torch.randint(1, length + 1, (n,), generator=g)
+    mask = (torch.arange(length).view(1, -1) < lengths.view(-1, 1)).float()
+    return torch.arange(num_prompts).repeat_interleave(group), ids * mask.long(), mask
+
+
+def _clean(placement: PretendDevice) -> None:
+    assert not placement.violations, placement.report()
+
+
+def test_the_pretend_device_records_what_a_gpu_refuses():
+    weight = torch.randn(4, 3)
+    with PretendDevice() as placement:
+        placement.on_device(weight)
+        host = torch.arange(3.0)
+        _ = weight * torch.tensor(2.0)           # a CPU scalar: fine on a GPU
+        _ = weight @ host.to(weight.device)      # moved first: fine
+        _ = weight[torch.tensor([0, 2])]         # host indices into a device tensor: fine
+        _ = torch.arange(3, device=weight.device) + weight[0]
+        assert placement.violations == []
+        _ = weight @ host                        # a host vector meets a device matrix
+        _ = torch.randn(3, generator=torch.Generator())  # host: fine
+        with placement.patch_default_device():
+            torch.set_default_device("cuda")
+            _ = torch.randn(3, generator=torch.Generator())  # a CPU generator drawing on the device
+        grad = torch.zeros(4, 3)                 # a host buffer filled in a backward pass
+
+        class Head(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, w):
+                ctx.save_for_backward(w)
+                return w.sum()
+
+            @staticmethod
+            def backward(ctx, g):
+                w, = ctx.saved_tensors
+                return grad + torch.ones_like(w) * g
+
+        leaf = weight.clone().requires_grad_()
+        Head.apply(leaf).backward()
+    ops = [(v.op, v.where.split(":")[0]) for v in placement.violations]
+    here = "tests/test_device_placement.py"
+    assert ops == [("TensorBase.matmul", here), ("_VariableFunctionsClass.randn", here),
+                   ("TensorBase.add", here)], placement.report()
+    assert "device (4, 3), host (3,)" in placement.violations[0].what
+    assert torch.equal(leaf.grad, torch.ones(4, 3))
+
+
+def test_prefix_suffix_and_chunked_suffix_stay_on_the_device(tiny_ckpt_qwen25, mixed_prompts):
+    model = load_model(tiny_ckpt_qwen25)
+    vocab = model.config.text_config.vocab_size - 20
+    group_index, ids, mask = _responses(len(mixed_prompts), 2, 9, vocab)
+    with PretendDevice() as placement:
+        placement.on_device(model)
+        placement.on_host(mixed_prompts, group_index, ids, mask)
+        states = encode_prefix(model, mixed_prompts, version=0, with_grad=True)
+        logp, entropy = score_suffix(model, states, group_index, ids, mask, with_entropy=True)
+        (logp.sum() + entropy.sum()).backward()
+        with torch.no_grad():
+            state, = encode_prefix(model, mixed_prompts[2:], version=0, padding="right")
+            chunked = ChunkedSuffix(model, state, 2, 9)
+            chunked.extend(ids[4:, :4], mask[4:, :4])
+            got, _ = chunked.log_probs(ids[4:], mask[4:])
+    _clean(placement)
+    assert got.shape == (2, 9) and torch.allclose(got, logp[4:].detach(), atol=1e-5)
+
+
+def test_full_sequence_logprobs_and_the_chunked_head_stay_on_the_device(tiny_ckpt_qwen25, mixed_prompts, monkeypatch):
+    monkeypatch.setattr(sequence, "FULL_LOGSOFTMAX_MAX_BYTES", 0)  # every call takes models/logprobs.py
+    model = load_model(tiny_ckpt_qwen25)
+    group_index, resp, mask = _responses(len(mixed_prompts), 2, 7, model.config.text_config.vocab_size - 20)
+    ids, attn, plen, vision = build_full_sequences(mixed_prompts, group_index, resp, mask, pad_id=0)
+    with PretendDevice() as placement:
+        placement.on_device(model)
+        placement.on_host(ids, attn, plen, vision, resp, mask)
+        logp, entropy = response_logprobs(model, ids, attn, vision, plen, resp, mask, with_entropy=True)
+        (logp.sum() + entropy.sum()).backward()
+    _clean(placement)
+    assert model.lm_head.weight.grad is not None and float(model.lm_head.weight.grad.abs().sum()) > 0
+
+
+def test_builtin_engine_prefill_and_decode_stay_on_the_device(tiny_ckpt_qwen25, mixed_prompts):
+    with PretendDevice() as placement:
+        engine = BuiltinRolloutEngine(str(tiny_ckpt_qwen25))
+        placement.on_device(engine.model)
+        placement.on_host(mixed_prompts)
+        engine.fused_decode_unsupported = "the GPU path: transformers' forward"
+        sampled = engine.generate(mixed_prompts, SamplingParams(n=2, max_new_tokens=5, seed=1, top_k=20, top_p=0.9))
+        given = encode_prefix(engine.model, mixed_prompts, version=0)
+        greedy = engine.generate(mixed_prompts, SamplingParams(n=2, max_new_tokens=5, temperature=0.0),
+                                 prefixes=given)
+    _clean(placement)
+    assert [len(r.token_ids) for r in sampled + greedy] == [5] * 12
+    assert all(torch.isfinite(r.logprobs).all() for r in sampled + greedy)
+
+
+# ---- Megatron (TP=1) and the GPU script, in a spawned gloo rank --------------------------------------
+def _megatron_rank(rank: int, world: int, ckpt: str, prompts, out_dir: str) -> dict:
+    """Runs in the spawned rank: the Megatron model paths, then the GPU script's smoke flow, both
+    under one pretend device; returns the violations and the script's last line."""
+    from rollplex_train.parallel import ParallelLayout
+    from rollplex_train.training.megatron import build, scoring
+
+    build.init_parallel(ParallelLayout(device="cpu"), 0, seed=1)
+    placement = PretendDevice()
+    real_build = build.build_model
+
+    def build_on_device(*args, **kwargs):  # what model.cuda() does on a GPU run
+        built = real_build(*args, **kwargs)
+        placement.on_device(built.model, built.model.hf)
+        return built
+
+    spec = importlib.util.spec_from_file_location("gpu_check_megatron", ROOT / "scripts" / "gpu_check_megatron.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    build.build_model = build_on_device
+    stdout = io.StringIO()
+    with placement, placement.patch_default_device():
+        model = build.build_model(ckpt, "float32", "sdpa", tp=1, pp=1, tp_rank=0, device="cpu").model
+        placement.on_host(prompts)
+        group_index, ids, mask = _responses(len(prompts), 2, 6, model.vocab_size - 20)
+        full, entropy = scoring.full_logprobs(model, prompts, group_index, ids, mask, 0, with_entropy=True)
+        (full.sum() + entropy.sum()).backward()
+        states = scoring.encode_prefix(model, prompts, version=0, with_grad=True)
+        split, _ = scoring.score_suffix(model, states, group_index, ids, mask)
+        split.sum().backward()
+        with contextlib.redirect_stdout(stdout):
+            script.main(["--smoke", "--steps", "1", "--out", str(Path(out_dir) / "gpu_check")])
+    return {"violations": [str(v) for v in placement.violations],
+            "split_diff": float((full - split).detach().abs().max()),
+            "script": stdout.getvalue().strip().splitlines()[-1]}
+
+
+@pytest.mark.megatron
+def test_megatron_tp1_and_the_gpu_check_script_stay_on_the_device(tiny_ckpt_qwen25, mixed_prompts, tmp_path):
+    pytest.importorskip("megatron.core", reason="the megatron extra is not installed")
+    from rollplex_train.training.megatron.check import run_ranks
+
+    out = run_ranks(_megatron_rank, 1, str(tiny_ckpt_qwen25), mixed_prompts, str(tmp_path))
+    assert out["violations"] == [], "\n".join(dict.fromkeys(out["violations"]))
+    assert out["split_diff"] < 1e-5
+    fields = dict(kv.split("=") for kv in out["script"].split()[1:])
+    assert out["script"].startswith("megatron-gpu:") and fields["hf_roundtrip"] == "exact", out["script"]
+    assert float(fields["max_abs_logit_diff"]) < 1e-4 and float(fields["max_abs_logprob_diff_split"]) < 1e-4
