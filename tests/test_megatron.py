@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
+from rollplex_train.config import ActorConfig, AlgorithmConfig, ClusterConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.models.layouts import Dims, build_layout
 from rollplex_train.models.loading import load_model
@@ -52,12 +52,12 @@ def _ppo(engine, batch: TrainBatch, shared_prefix: bool, checkpoint: Path | None
     if checkpoint is not None:
         engine.save_checkpoint(checkpoint)
     out["m2"] = engine.update_actor(batch)
-    out["state"] = engine.hf_state() if hasattr(engine, "hf_state") else {
+    out["state"] = engine.backend.hf_state() if hasattr(engine.backend, "hf_state") else {
         n: p.detach().clone() for n, p in engine.actor.named_parameters()}
     if checkpoint is not None:
         engine.load_checkpoint(checkpoint)
         out["m2_resumed"] = engine.update_actor(batch)
-        out["state_resumed"] = engine.hf_state()
+        out["state_resumed"] = engine.backend.hf_state()
     return out
 
 
@@ -73,7 +73,7 @@ def _rank_body(rank: int, world: int, ckpt: str, batch: TrainBatch, out_dir: str
         engine = create_train_engine("megatron", **_configs(ckpt, shared), layout=layout, rank=rank)
         out[f"ppo_shared={shared}"] = _ppo(engine, batch, shared, Path(out_dir) / f"ckpt-{shared}")
     params = {p.untyped_storage().data_ptr() for p in engine.actor.parameters()}
-    sglang = engine.rollout_tensors("sglang", 2)
+    sglang = engine.backend.rollout_tensors("sglang", 2)
     out["sglang"] = {n: t.clone() for n, t in sglang.items()}
     out["sglang_views"] = sorted(n for n, t in sglang.items() if t.untyped_storage().data_ptr() in params)
     out["hf_rollout"] = {n: t.clone() for n, t in engine.rollout_weights().items()}
@@ -180,10 +180,13 @@ def test_settings_the_engine_cannot_honour_are_named():
     from rollplex_train.config import Config, MemoryConfig, SharingConfig
     from rollplex_train.training.megatron.engine import MegatronTrainEngine
 
-    with pytest.raises(ValueError, match="sharing.enabled=false"):
-        MegatronTrainEngine.check_available(Config(actor=ActorConfig(backend="megatron")))
+    with pytest.raises(ValueError, match="actor.pipeline_parallel_size=2"):
+        MegatronTrainEngine.check_available(Config(actor=ActorConfig(backend="megatron", pipeline_parallel_size=2),
+                                                   cluster=ClusterConfig(devices_per_node=2)))
+    # sharing and optimizer offload are honoured now
     MegatronTrainEngine.check_available(Config(actor=ActorConfig(backend="megatron"),
-                                               sharing=SharingConfig(enabled=False), memory=MemoryConfig()))
+                                               sharing=SharingConfig(enabled=True),
+                                               memory=MemoryConfig(offload_optimizer=True)))
 
 
 def test_tp_without_layout_is_refused(tiny_ckpt_qwen25):

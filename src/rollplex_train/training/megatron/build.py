@@ -71,8 +71,9 @@ class BuiltModel:
 
 
 def build_model(path: str, dtype: str, attn_implementation: str, *, tp: int, pp: int, tp_rank: int,
-                device: str, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> BuiltModel:
-    """Load the HF checkpoint at ``path`` and build this TP rank's :class:`MegatronVLM`.
+                device, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> BuiltModel:
+    """Load the HF checkpoint at ``path`` and build this TP rank's :class:`MegatronVLM` on ``device``
+    (a ``torch.device`` or ``cpu``/``cuda``: the current CUDA device).
 
     Raises:
         ValueError: pipeline parallelism (``pp > 1``) is not built; TP does not divide the heads.
@@ -83,7 +84,8 @@ def build_model(path: str, dtype: str, attn_implementation: str, *, tp: int, pp:
     hf = load_model(path, dtype, attn_implementation)
     shapes = {n: tuple(p.shape) for n, p in hf.named_parameters()}
     layout = megatron_layout(shapes, Dims.from_hf_config(hf.config), tp, vocab_divisible_by)
-    on_cpu = device == "cpu"
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
     use_te = not on_cpu and has_transformer_engine()
     config = transformer_config(hf.config, tp=tp, pp=pp, dtype=next(hf.parameters()).dtype, on_cpu=on_cpu,
                                 fused=use_te)
@@ -98,6 +100,4 @@ def build_model(path: str, dtype: str, attn_implementation: str, *, tp: int, pp:
     hf.model.language_model = None  # replaced by the GPTModel; the shell keeps config + vision
     hf.lm_head = None
     model = MegatronVLM(hf, gpt, vocab)
-    if not on_cpu:
-        model.cuda()
-    return BuiltModel(model, layout, use_te)
+    return BuiltModel(model.to(device), layout, use_te)
