@@ -75,7 +75,8 @@ class ModelBackend(Protocol):
     Attributes:
         actor: the trainable policy (its ``config`` is the HF config). ref: the frozen reference,
             or None without a KL term. device: where the loss inputs go. tokenizer, pad_id: the
-            checkpoint's. prefix_passes: the backend's :class:`PrefixPasses`.
+            checkpoint's. prefix_passes: the backend's :class:`PrefixPasses`. layout: the run's
+            ``ParallelLayout`` (None: one process). rank: this process's training rank.
 
     Every method is collective over the ranks of one model replica where the backend is sharded
     (Megatron TP): call it on all of them.
@@ -87,6 +88,8 @@ class ModelBackend(Protocol):
     tokenizer: object
     pad_id: int
     prefix_passes: PrefixPasses
+    layout: Optional[object]
+    rank: int
 
     def score_full(self, model, prompts: list, part: dict, *, temperature: float,
                    with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

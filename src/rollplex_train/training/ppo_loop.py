@@ -278,7 +278,7 @@ class PPOEngine(TrainEngine):
             options: ``split_qkv``/``split_gate_up`` of the ``sglang`` layout.
         """
         if self._shared is None:
-            layout = getattr(self.backend, "layout", None)
+            layout = self.backend.layout
             r = rollout_tp or (layout.rollout_tp if layout is not None else 1)
             self._shared = self.backend.share_weights(rollout_kind, r, same_process, **options)
             self._shared.begin_update()  # a new counter reads 0: publish the actor's version on it
