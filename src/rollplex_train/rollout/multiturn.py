@@ -61,7 +61,9 @@ class _Episode:
         self.hung = False  # an environment call was abandoned: never call the environment again
 
     def where(self, call: str) -> str:
-        return f"seed {self.seed} sample {self.sample} turn {len(self.turns)}: {call}"
+        """``seed <s> sample <g> reset`` or ``... turn <k> step`` (the step after answer k, from 0)."""
+        at = "reset" if call == "reset" else f"turn {len(self.turns) - 1} {call}"
+        return f"seed {self.seed} sample {self.sample} {at}"
 
     def input(self, window: Optional[int]) -> tuple[torch.Tensor, tuple[int, ...]]:
         """The next turn's engine input ids (L,) and the observations in it."""
