@@ -18,7 +18,8 @@ from rollplex_train.config import EnvConfig
 from rollplex_train.envs import EnvError, Observation, VisionEnv, env_builder
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.sequence import embed_with_vision, rope_positions
-from rollplex_train.rollout.base import SamplingParams
+from rollplex_train.data.types import Response
+from rollplex_train.rollout.base import RolloutEngine, SamplingParams
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
 from rollplex_train.rollout.multiturn import TurnLoop
 from rollplex_train.rollout.trajectory import trajectory_metrics
@@ -171,6 +172,52 @@ def test_a_bad_step_truncates_its_trajectory_with_one_line(engine, tiny_ckpt_qwe
     assert trajectory_metrics(trajectories)["env/errors"] == 2.0
 
 
+class OneByOneEngine(RolloutEngine):
+    """Yields each prompt's responses as an item of its own and, after a request's first item, waits
+    (10 s at most) until an environment step has begun: it records whether the turn loop stepped an
+    environment while the rest of the request was still to come."""
+
+    def __init__(self, step_started: threading.Event):
+        self.step_started, self.overlapped = step_started, []
+
+    def generate(self, prompts, params, weights_version=None, prefixes=None):
+        return [r for item in self.generate_stream(prompts, params) for r in item]
+
+    def generate_stream(self, prompts, params, weights_version=None, prefixes=None, progress_every=0):
+        for index in range(len(prompts)):
+            yield [Response(index, torch.tensor([5, 6, 7]), torch.full((3,), -1.0), "ok", "length")
+                   for _ in range(params.n)]
+            if index == 0:
+                self.overlapped.append(self.step_started.wait(timeout=10))
+                self.step_started.clear()
+
+    def update_weights(self, named_tensors, version):
+        raise NotImplementedError
+
+    def release_memory(self, tags=()):
+        pass
+
+    def resume_memory(self, tags=()):
+        pass
+
+
+def test_environment_steps_overlap_the_rest_of_the_decode(tiny_ckpt_qwen25):
+    started = threading.Event()
+
+    class Signals(Scripted):
+        def step(self, action_text):
+            started.set()
+            return super().step(action_text)
+
+    engine = OneByOneEngine(started)
+    loop = _loop(engine, tiny_ckpt_qwen25, make_env=Signals)
+    trajectories = loop.rollout([0, 1], SamplingParams(n=1))
+    assert engine.overlapped == [True, True, True] and [t.num_turns for t in trajectories] == [3, 3]
+    first, second = trajectories[0].turns[:2]  # a response cut by its length is closed by the whole closing
+    assert second.input_ids[len(first.input_ids):len(first.input_ids) + 3 + len(loop.turn_tokens.close_ids)].equal(
+        torch.cat([torch.tensor([5, 6, 7]), loop.turn_tokens.close_ids]))
+
+
 def test_errors_that_stop_the_rollout_are_one_line(engine, tiny_ckpt_qwen25):
     with pytest.raises(EnvError, match=r"^env.name=scripted seed 0 sample 0 turn 1 step raised RuntimeError: boom$"):
         _loop(engine, tiny_ckpt_qwen25, make_env=lambda: Scripted("raise"), on_error="raise").rollout([0], PARAMS)
@@ -200,7 +247,7 @@ def test_frozenlake_trajectories_replay_in_a_fresh_environment(engine, tiny_ckpt
     pytest.importorskip("gymnasium")
     cfg = EnvConfig(name="frozenlake", kwargs={"desc": ["SFF", "FHF", "FFG"]}, max_turns=3, answer_format="words")
     build = env_builder(cfg.name, cfg.kwargs, cfg.adapter_options())
-    trajectories = TurnLoop(engine, load_tokenizer(tiny_ckpt_qwen25), build, cfg).rollout([0, 1], PARAMS)
+    trajectories = TurnLoop.from_config(engine, str(tiny_ckpt_qwen25), cfg).rollout([0, 1], PARAMS)
     for traj in trajectories:
         env = build()
         obs, _ = env.reset(traj.env_seed)

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 
 from rollplex_train.config import EnvConfig
-from rollplex_train.data.types import PromptSample, Response, VisionInputs
+from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.data.vision import patchify_images
 from rollplex_train.envs.base import EnvError, VisionEnv, check_observation, fit_frame
 from rollplex_train.models.loading import VisionSpec
@@ -75,6 +75,12 @@ class _Episode:
             if j < last:
                 pieces += [self.turns[j].response_ids, self.close_ids[j]]
         return torch.cat(pieces), tuple(range(first, last + 1))
+
+    def prompt(self, window: Optional[int], uid: str) -> PromptSample:
+        """The next turn's engine input as a prompt (its observations' images as its vision)."""
+        ids, observations = self.input(window)
+        vision = VisionInputs.concat([self.observations[i].vision for i in observations])
+        return PromptSample(uid=uid, prompt_ids=ids, vision=vision, ground_truth="", task="env")
 
     def trajectory(self, context: str) -> Trajectory:
         """The finished record: pieces concatenated, spans and masks filled in."""
@@ -120,6 +126,20 @@ class TurnLoop:
         self.window = cfg.context_window
         self.turn_tokens = TurnTokenizer(tokenizer, merge_size=geometry.merge_size)
 
+    @classmethod
+    def from_config(cls, engine: RolloutEngine, model_path: str, cfg: EnvConfig) -> "TurnLoop":
+        """The loop of ``env.*`` over ``engine``, with the tokenizer and patch geometry of the
+        checkpoint at ``model_path`` (``model.path``).
+
+        Raises:
+            ValueError / FileNotFoundError / MissingExtraError: as ``envs.env_builder``.
+        """
+        from rollplex_train.envs.registry import env_builder
+        from rollplex_train.models.loading import load_tokenizer, load_vision_spec
+
+        return cls(engine, load_tokenizer(model_path), env_builder(cfg.name, cfg.kwargs, cfg.adapter_options()), cfg,
+                   load_vision_spec(model_path), env_name=cfg.name)
+
     # ---- environment calls (worker threads) -----------------------------------------------------
     def _observe(self, episode: _Episode, obs, call: str) -> None:
         """Check an observation, resize + patchify its frames, tokenize it; append to ``episode``."""
@@ -164,33 +184,32 @@ class TurnLoop:
             EnvError: one line naming the environment, seed, sample and turn: ``reset`` failed or
                 broke the contract; the G first observations of a seed differ; the first input
                 does not fit ``env.max_context_tokens``; with ``env.on_error=raise``, a failed step.
+            ValueError: a seed given twice.
             StaleWeightsError: from the engine.
         """
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"seeds {seeds}: expected distinct environment seeds (a seed's G trajectories come from params.n)")
         episodes = [_Episode(f"{uid_prefix}:{seed}/{g}", seed, g, self.make_env())
                     for seed in seeds for g in range(params.n)]
         workers = EnvWorkers(self.cfg.num_workers, self.cfg.step_timeout_s)
         try:
             self._start(episodes, workers, params)
             groups = [episodes[i * params.n:(i + 1) * params.n] for i in range(len(seeds))]
-            first = [PromptSample(uid=f"{uid_prefix}:{group[0].seed}", prompt_ids=group[0].input(self.window)[0],
-                                  vision=group[0].observations[0].vision, ground_truth="", task="env") for group in groups]
-            self._turn(first, groups, params, weights_version, workers)
+            # turn 0: one prompt per seed, its G samples share the prefill
+            self._turn([(g[0].prompt(self.window, f"{uid_prefix}:{g[0].seed}"), g) for g in groups], params,
+                       weights_version, workers)
             single = dataclasses.replace(params, n=1)
-            while True:
-                live = [e for e in episodes if not e.finish]
-                if not live:
-                    break
-                prompts = []
-                for e in live:
-                    ids, obs = e.input(self.window)
-                    prompts.append(PromptSample(uid=f"{e.uid}/turn{len(e.turns)}", prompt_ids=ids, ground_truth="",
-                                                vision=VisionInputs.concat([e.observations[i].vision for i in obs]),
-                                                task="env"))
-                self._turn(prompts, [[e] for e in live], single, weights_version, workers)
+            while live := [e for e in episodes if not e.finish]:
+                self._turn([(e.prompt(self.window, f"{e.uid}/turn{len(e.turns)}"), [e]) for e in live], single,
+                           weights_version, workers)
         finally:
             for e in episodes:
-                if not e.hung:
-                    e.env.close()
+                try:
+                    if not e.hung:
+                        e.env.close()
+                except Exception as err:  # noqa: BLE001 - a failing close must not hide the rollout's result
+                    log.warning("env.name=%s %s: close raised %s: %s", self.env_name, e.where("close"),
+                                type(err).__name__, err)
             workers.shutdown()
         if workers.abandoned:
             log.warning("%d environment calls of env.name=%s ran past env.step_timeout_s=%g s and were abandoned",
@@ -223,26 +242,26 @@ class TurnLoop:
                                f"rollout.max_new_tokens={params.max_new_tokens} it exceeds env.max_context_tokens="
                                f"{self.cfg.max_context_tokens}")
 
-    def _turn(self, prompts: list[PromptSample], owners: list[list[_Episode]], params: SamplingParams,
+    def _turn(self, requests: list[tuple[PromptSample, list[_Episode]]], params: SamplingParams,
               weights_version: Optional[int], workers: EnvWorkers) -> None:
-        """One engine request; each finished response goes to its environment step at once."""
-        inputs = {id(e): e.input(self.window) for group in owners for e in group}
-        taken = [0] * len(prompts)
+        """One engine request of (prompt, its episodes) pairs, ``params.n`` episodes a prompt; each
+        finished response goes to its environment step at once. The engine yields a prompt's
+        responses in sample order (``BuiltinRolloutEngine`` does)."""
+        taken = [0] * len(requests)
         pending: list[tuple[_Episode, Future]] = []
-        for item in self.engine.generate_stream(prompts, params, weights_version):
+        for item in self.engine.generate_stream([prompt for prompt, _ in requests], params, weights_version):
             for response in item:
-                episode = owners[response.prompt_index][taken[response.prompt_index]]
+                prompt, owners = requests[response.prompt_index]
+                episode = owners[taken[response.prompt_index]]
                 taken[response.prompt_index] += 1
-                self._record(episode, response, *inputs[id(episode)])
+                episode.turns.append(TurnRecord(
+                    input_ids=prompt.prompt_ids, observations=episode.input(self.window)[1],
+                    response_ids=response.token_ids, logprobs=response.logprobs, text=response.text,
+                    finish_reason=response.finish_reason, span=(0, 0)))
                 pending.append((episode, workers.submit(self._step, episode, response.text)))
         workers.wait([f for _, f in pending])
         for episode, future in pending:
             self._finish_turn(episode, future, params)
-
-    def _record(self, episode: _Episode, response: Response, input_ids: torch.Tensor, observations: tuple) -> None:
-        episode.turns.append(TurnRecord(input_ids=input_ids, observations=observations,
-                                        response_ids=response.token_ids, logprobs=response.logprobs,
-                                        text=response.text, finish_reason=response.finish_reason, span=(0, 0)))
 
     def _finish_turn(self, episode: _Episode, future: Future, params: SamplingParams) -> None:
         """Apply a step's result (or its error) and decide whether the trajectory goes on."""
