@@ -170,3 +170,24 @@ def test_missing_extra_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "gymnasium", None)  # import gymnasium -> ImportError
     with pytest.raises(MissingExtraError, match=r"^env.name='frozenlake' needs gymnasium, the 'envs' extra: pip install"):
         env_builder("frozenlake")
+
+
+@pytest.mark.parametrize("option,name,context", [("frozenlake", "frozenlake", None),
+                                                 ("minigrid", "minigrid:MiniGrid-Empty-5x5-v0", 2)])
+def test_env_config_group_composes_and_a_run_refuses_it_for_now(option, name, context):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from rollplex_train.cli import conf_dir
+    from rollplex_train.config import EnvConfig, register_configs, to_config
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["trainer.output_dir=/tmp/unused", f"env={option}"])
+    env = EnvConfig(**OmegaConf.to_container(cfg.env))
+    assert (env.name, env.context_window, env.max_actions_per_turn) == (name, context, 3)
+    assert env_builder(env.name, env.kwargs, env.adapter_options())().reset(0)[0].images
+    with pytest.raises(ValueError, match=rf"^env.name='{name}': the training step does not run environment rollouts yet"):
+        to_config(cfg)
+    with pytest.raises(ValueError, match=r"env.context='window:0': expected 'full' or 'window:<k>' with k >= 1"):
+        EnvConfig(context="window:0")
