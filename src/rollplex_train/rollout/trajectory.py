@@ -23,7 +23,8 @@ from rollplex_train.data.types import PromptSample, VisionInputs
 FINISH_REASONS = ("terminated", "truncated", "max_turns", "token_budget", "env_error")
 """Why a trajectory ended: the environment ended the task (``terminated``) or cut it
 (``truncated``); ``rollout.max_turns`` / ``env.max_turns`` turns were taken; the next turn would
-not fit ``env.max_context_tokens``; the environment failed (``env.on_error=truncate``)."""
+not fit ``env.max_context_tokens``; the environment failed (``env.on_error=truncate``: the failed
+step's turn is kept with reward 0 and ``Trajectory.error`` says what failed)."""
 
 
 @dataclass
