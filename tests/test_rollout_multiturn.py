@@ -86,12 +86,15 @@ def _loop(engine, ckpt, make_env=Scripted, **cfg) -> TurnLoop:
 PARAMS = SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=11)
 
 
-def _teacher_forced_logprobs(model, trajectory) -> torch.Tensor:
-    """(L,) log-probs of every token of ``trajectory.ids`` from one forward over the whole of it."""
+def _teacher_forced_logprobs(model, trajectory, text_positions: bool = False) -> torch.Tensor:
+    """(L,) log-probs of every token of ``trajectory.ids`` from one forward over the whole of it, with
+    M-RoPE positions (``text_positions``: 0..L-1 on all three axes instead, the wrong rule)."""
     ids = trajectory.ids.unsqueeze(0)
     mask = torch.ones_like(ids)
     with torch.no_grad():
         positions, _ = rope_positions(model, ids, mask, trajectory.vision)
+        if text_positions:
+            positions = torch.arange(ids.shape[1]).expand(3, 1, -1)
         embeds = embed_with_vision(model, ids, trajectory.vision, vision_grad=False)
         hidden = model.model.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions).last_hidden_state
         logp = torch.log_softmax(model.lm_head(hidden[0, :-1]).float(), dim=-1)
@@ -126,6 +129,8 @@ def test_three_turn_trajectory_is_token_in_token_out(engine, tiny_ckpt_qwen25):
         tf = _teacher_forced_logprobs(model, traj)
         on = traj.loss_mask.bool()
         torch.testing.assert_close(tf[on], traj.logprobs[on], atol=1e-5, rtol=0)
+        wrong = _teacher_forced_logprobs(model, traj, text_positions=True)  # the check tells the rules apart
+        assert (wrong[on] - traj.logprobs[on]).abs().max() > 1e-3
     assert not trajectories[0].ids.equal(trajectories[1].ids)  # two samples of one seed differ
 
 
