@@ -266,9 +266,9 @@ class PPOEngine(TrainEngine):
     def export_shared_weights(self, same_process: bool = False, *, rollout_kind: str = "hf",
                               rollout_tp: Optional[int] = None, **options) -> dict:
         """Share the actor's weights in place with the rollout rank on this device (once; later
-        calls export the same tensors again): ``update_actor`` and ``load_checkpoint`` then mark
-        the weights in flux until ``publish_weights``. The payload and byte counts are
-        ``sharing.share.WeightShare.export``'s (``docs/sharing.md``).
+        calls, for the same layout only, export the same tensors again): ``update_actor`` and
+        ``load_checkpoint`` then mark the weights in flux until ``publish_weights``. The payload and
+        byte counts are ``sharing.share.WeightShare.export``'s (``docs/sharing.md``).
 
         Args:
             same_process: the rollout engine lives in this process (the payload holds the tensors).
@@ -276,13 +276,20 @@ class PPOEngine(TrainEngine):
                 ``sglang`` (per-rank ``[q;k;v]``, merged ``gate_up``, padded vocabulary).
             rollout_tp: its TP degree (None: the run layout's ``rollout_tp``, 1 without one).
             options: ``split_qkv``/``split_gate_up`` of the ``sglang`` layout.
+
+        Raises:
+            ValueError: the weights are shared already for another layout or degree.
+            RuntimeError: (Megatron) the plan puts another rollout rank on this device than the run.
         """
+        layout = self.backend.layout
+        r = rollout_tp or (layout.rollout_tp if layout is not None else 1)
         if self._shared is None:
-            layout = self.backend.layout
-            r = rollout_tp or (layout.rollout_tp if layout is not None else 1)
             self._shared = self.backend.share_weights(rollout_kind, r, same_process, **options)
             self._shared.begin_update()  # a new counter reads 0: publish the actor's version on it
             self._shared.publish(self.weights_version)
+        elif (self._shared.rollout_kind, self._shared.rollout_tp) != (rollout_kind, r):
+            raise ValueError(f"the actor's weights are shared as {self._shared.rollout_kind} r={self._shared.rollout_tp}"
+                             f" already, not {rollout_kind} r={r}")
         return self._shared.export()
 
     def publish_weights(self, version: int) -> dict[str, float]:
