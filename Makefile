@@ -17,7 +17,18 @@ TASKS := $(ARTIFACTS)/data/visual_tasks
 BENCH := $(ARTIFACTS)/data/bench
 EXPERIMENT ?= tiny_cpu
 
-.PHONY: install run test assets assets-small assets-bench clean
+# The lowest transformers pyproject.toml allows (the H200 machine's): the model-path tests run on it too,
+# from an overlay directory first on PYTHONPATH (the venv keeps the current release). transformers 5.17
+# needs huggingface_hub < 2, so the overlay holds that too (1.33.0, the H200 machine's).
+TRANSFORMERS_FLOOR := 5.17.0
+FLOOR_HUB := 1.33.0
+FLOOR_DIR := build/transformers-$(TRANSFORMERS_FLOOR)
+FLOOR_TESTS := tests/test_models_prefix.py tests/test_models_sequence.py tests/test_models_rope.py \
+	tests/test_models_logprobs.py tests/test_rollout_builtin.py tests/test_rollout_decoder.py tests/test_device_placement.py
+# What scripts/gpu_run.sh carries to the H200 machine (Python 3.12, x86_64): megatron-core (not installed there).
+GPU_WHEELS := build/gpu-wheels
+
+.PHONY: install run test test-transformers-floor gpu-wheels assets assets-small assets-bench clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -54,6 +65,22 @@ run: install assets
 
 test: install assets
 	$(VPY) -m pytest -q -x --durations=10 tests
+
+$(FLOOR_DIR)/.installed: | install
+	$(PIP) install -q --no-deps --target $(FLOOR_DIR) transformers==$(TRANSFORMERS_FLOOR) huggingface_hub==$(FLOOR_HUB)
+	touch $@
+
+# the model paths on the lowest supported transformers (CI runs it after `make test`)
+test-transformers-floor: install assets $(FLOOR_DIR)/.installed
+	PYTHONPATH=$(FLOOR_DIR) $(VPY) -c 'import transformers as t; assert t.__version__ == "$(TRANSFORMERS_FLOOR)", t.__file__'
+	PYTHONPATH=$(FLOOR_DIR) $(VPY) -m pytest -q -x $(FLOOR_TESTS)
+
+# wheels for scripts/gpu_run.sh (downloaded with network, carried to the GPU machine; under 64 MiB)
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	$(PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+	  --platform manylinux2014_x86_64 -d $(GPU_WHEELS) 'megatron-core==0.16.1'
+	du -sh $(GPU_WHEELS)
 
 clean:
 	rm -rf $(ARTIFACTS) outputs

@@ -12,7 +12,9 @@ would live:
   or when the code under test called ``torch.set_default_device`` (patched by :meth:`PretendDevice.
   patch_default_device`); otherwise on the host;
 - ``.to(device)`` / ``.cuda()`` / ``device=`` with tensor inputs move to the device, ``.cpu()`` to the
-  host, ``.to(tensor)`` to where that tensor is; any other op's result is where its inputs are.
+  host, ``.to(tensor)`` to where that tensor is; any other op's result is where its inputs are;
+- a ``torch.device`` read off a host tensor (``host_tensor.device``) stays the host's: ``.to(d)`` or
+  ``device=d`` with it is the host (``results.to(batch.device)``, "back where the batch lives").
 
 An op whose inputs mix device tensors with host tensors of one or more dimensions is recorded: a
 CUDA op raises there ("Expected all tensors to be on the same device"). Allowed, as CUDA allows
@@ -23,7 +25,8 @@ device tensor is recorded too (CUDA needs a CUDA generator). Backward passes run
 
 What it cannot see: tensors made in other threads (the mode is per thread) or other processes; ops
 inside C++ (only their results, tagged by their inputs); an explicit ``device="cpu"`` meant as the
-host (it reads as the engine's device: write host tensors without a device, or use ``.cpu()``);
+host (it reads as the engine's device: write host tensors without a device, use ``.cpu()`` or a
+host tensor's ``.device``);
 dtype, stream, synchronisation and memory questions; CUDA-only code paths the CPU run does not take
 (a branch on ``device.type == "cuda"``).
 """
@@ -43,6 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 DEVICE, HOST = "device", "host"
 _T = torch.Tensor
 _INDEXING = {_T.__getitem__, _T.__setitem__}
+_DEVICE_OF = _T.device.__get__  # ``tensor.device`` (a new method-wrapper per access: compare with ==)
 
 
 @dataclass(frozen=True)
@@ -86,11 +90,16 @@ class PretendDevice(TorchFunctionMode):
         assert not placement.violations, placement.report()
     """
 
-    def __init__(self):
+    def __init__(self, untagged_is_host: bool = False):
+        """``untagged_is_host``: a tensor without a tag counts as a host tensor: one made on a thread
+        the mode is not entered in (an environment worker's frames) or before it was entered. Only
+        for passes without backward (the autograd engine's gradients are untagged)."""
         super().__init__()
+        self.untagged_is_host = untagged_is_host
         self.tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.violations: list[Violation] = []
         self.default_is_device = False
+        self._host_devices: dict[int, torch.device] = {}  # id -> the object, kept alive: ids stay unique
 
     # ---- marking --------------------------------------------------------------------------------
     def _mark(self, tag: str, objs) -> None:
@@ -142,8 +151,10 @@ class PretendDevice(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _T.backward:
             return self._backward(*args, **kwargs)
+        if func == _DEVICE_OF:
+            return self._device_of(*args)
         tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        tagged = [(t, self.tags.get(t)) for t in tensors]
+        tagged = [(t, self._tag_of(t)) for t in tensors]
         target = self._target(func, args, kwargs, tagged)
         if target == "transfer":
             target = None
@@ -151,6 +162,22 @@ class PretendDevice(TorchFunctionMode):
             self._check(func, args, kwargs, tagged, target)
         out = func(*args, **kwargs)
         return self._tag_outputs(func, out, tensors, tagged, target)
+
+    def _tag_of(self, tensor: torch.Tensor) -> Optional[str]:
+        return self.tags.get(tensor, HOST if self.untagged_is_host else None)
+
+    def _device_of(self, tensor: torch.Tensor) -> torch.device:
+        """``tensor.device``; for a host tensor a fresh ``torch.device`` remembered as the host's."""
+        device = _DEVICE_OF(tensor)
+        if self._tag_of(tensor) != HOST:
+            return device
+        device = torch.device(device.type, device.index)
+        self._host_devices[id(device)] = device
+        return device
+
+    def _place(self, device) -> str:
+        """Where ``device=``/``.to(device)`` puts a tensor: the host for a host tensor's device."""
+        return HOST if self._host_devices.get(id(device)) is device else DEVICE
 
     def _target(self, func, args, kwargs, tagged) -> Optional[str]:
         """Where the result lives when the call itself says so (a move or a factory); None: with
@@ -166,9 +193,9 @@ class PretendDevice(TorchFunctionMode):
                     if isinstance(a, (str, torch.device, torch.Tensor))]
             if not dest:
                 return None  # a dtype conversion stays where it is
-            return self.tags.get(dest[0]) if isinstance(dest[0], torch.Tensor) else DEVICE
+            return self._tag_of(dest[0]) if isinstance(dest[0], torch.Tensor) else self._place(dest[0])
         if kwargs.get("device") is not None:
-            return DEVICE
+            return self._place(kwargs["device"])
         if not tagged:  # a factory
             return DEVICE if self.default_is_device and func is not torch.from_numpy else HOST
         return None
@@ -180,7 +207,7 @@ class PretendDevice(TorchFunctionMode):
         if target is not None and any(t is not None for _, t in tagged) and func not in _INDEXING:
             return  # a move (.to/.cpu/device=): inputs may sit anywhere
         consider = tagged
-        if func in _INDEXING and self.tags.get(args[0]) == DEVICE:  # host indices are fine on a device tensor
+        if func in _INDEXING and self._tag_of(args[0]) == DEVICE:  # host indices are fine on a device tensor
             index = {id(t) for t in pytree.tree_leaves(args[1]) if isinstance(t, torch.Tensor)}
             consider = [(t, tag) for t, tag in tagged if id(t) not in index]
         on_device = any(tag == DEVICE for _, tag in consider)

@@ -35,11 +35,15 @@ import torch
 
 from pretend_device import PretendDevice
 from rollplex_train.models import sequence
-from rollplex_train.models.loading import load_model
+from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.prefix import ChunkedSuffix, encode_prefix, score_suffix
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
+from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
+from rollplex_train.data.types import TrainBatch
 from rollplex_train.rollout.base import SamplingParams
+from rollplex_train.rollout import builtin
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
+from rollplex_train.training.torch_engine import TorchTrainEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,6 +62,19 @@ def _clean(placement: PretendDevice) -> None:
     assert not placement.violations, placement.report()
 
 
+def _models_load_on_the_device(placement: PretendDevice, monkeypatch, module) -> None:
+    """``module.load_model`` returns a model whose parameters and buffers are the device's (what
+    ``model.to("cuda")`` does on a GPU run), so everything the engine reads off it follows."""
+    real = module.load_model
+
+    def load(*args, **kwargs):
+        model = real(*args, **kwargs)
+        placement.on_device(model)
+        return model
+
+    monkeypatch.setattr(module, "load_model", load)
+
+
 def test_the_pretend_device_records_what_a_gpu_refuses():
     weight = torch.randn(4, 3)
     with PretendDevice() as placement:
@@ -69,6 +86,7 @@ def test_the_pretend_device_records_what_a_gpu_refuses():
         _ = torch.arange(3, device=weight.device) + weight[0]
         assert placement.violations == []
         _ = weight @ host                        # a host vector meets a device matrix
+        _ = weight @ torch.ones(3, device=host.device)  # "where the host tensor is": the host
         _ = torch.randn(3, generator=torch.Generator())  # host: fine
         with placement.patch_default_device():
             torch.set_default_device("cuda")
@@ -90,7 +108,7 @@ def test_the_pretend_device_records_what_a_gpu_refuses():
         Head.apply(leaf).backward()
     ops = [(v.op, v.where.split(":")[0]) for v in placement.violations]
     here = "tests/test_device_placement.py"
-    assert ops == [("TensorBase.matmul", here), ("_VariableFunctionsClass.randn", here),
+    assert ops == [("TensorBase.matmul", here), ("TensorBase.matmul", here), ("_VariableFunctionsClass.randn", here),
                    ("TensorBase.add", here)], placement.report()
     assert "device (4, 3), host (3,)" in placement.violations[0].what
     assert torch.equal(leaf.grad, torch.ones(4, 3))
@@ -129,11 +147,10 @@ def test_full_sequence_logprobs_and_the_chunked_head_stay_on_the_device(tiny_ckp
     assert model.lm_head.weight.grad is not None and float(model.lm_head.weight.grad.abs().sum()) > 0
 
 
-def test_builtin_engine_prefill_and_decode_stay_on_the_device(tiny_ckpt_qwen25, mixed_prompts):
-    with PretendDevice() as placement:
+def test_builtin_engine_prefill_and_decode_stay_on_the_device(tiny_ckpt_qwen25, mixed_prompts, monkeypatch):
+    with PretendDevice(untagged_is_host=True) as placement:
+        _models_load_on_the_device(placement, monkeypatch, builtin)
         engine = BuiltinRolloutEngine(str(tiny_ckpt_qwen25))
-        placement.on_device(engine.model)
-        placement.on_host(mixed_prompts)
         engine.fused_decode_unsupported = "the GPU path: transformers' forward"
         sampled = engine.generate(mixed_prompts, SamplingParams(n=2, max_new_tokens=5, seed=1, top_k=20, top_p=0.9))
         given = encode_prefix(engine.model, mixed_prompts, version=0)
@@ -142,6 +159,52 @@ def test_builtin_engine_prefill_and_decode_stay_on_the_device(tiny_ckpt_qwen25, 
     _clean(placement)
     assert [len(r.token_ids) for r in sampled + greedy] == [5] * 12
     assert all(torch.isfinite(r.logprobs).all() for r in sampled + greedy)
+
+
+@pytest.mark.parametrize("shared_prefix", [False, True], ids=["full_sequence", "shared_prefix"])
+def test_ppo_loop_on_the_torch_backend_stays_on_the_device(tiny_ckpt_qwen25, mixed_prompts, shared_prefix):
+    """training/ppo_loop.py + log_probs.py over TorchBackend: old/ref log-probs, (with a shared
+    prefix) the decode window's prefix tasks and suffix chunks, then one PPO update with the KL loss."""
+    engine = TorchTrainEngine(ModelConfig(path=str(tiny_ckpt_qwen25), shared_prefix=shared_prefix),
+                              ActorConfig(lr=1e-3, micro_batch_size=2), AlgorithmConfig(use_kl_loss=True, kl_coef=0.05))
+    group_index, ids, mask = _responses(len(mixed_prompts), 2, 6, engine.actor.config.text_config.vocab_size - 20)
+    advantages = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1)) * mask
+    batch = TrainBatch(prompts=mixed_prompts, group_index=group_index, response_ids=ids, response_mask=mask,
+                       advantages=advantages)
+    before = engine.actor.lm_head.weight.detach().clone()
+    with PretendDevice() as placement:
+        placement.on_device(engine.actor, engine.ref)
+        placement.on_host(mixed_prompts, batch)
+        if shared_prefix:  # the decode window's work: prefix tasks, then suffix chunks of group 0
+            engine.precompute_prefixes(mixed_prompts, ["ref", "old"], weights_version=0)
+            engine.score_suffix_chunks(mixed_prompts, "actor", {0: ids[:2, :3]}, width=6, weights_version=0)
+        batch.old_logprobs, _ = engine.compute_log_probs(batch, "actor")
+        batch.ref_logprobs, _ = engine.compute_log_probs(batch, "ref")
+        metrics = engine.update_actor(batch)
+    _clean(placement)
+    assert torch.equal(batch.old_logprobs, batch.ref_logprobs)  # one weights version, two passes
+    assert abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/pg_clipfrac"] == 0.0  # ratio 1: same weights
+    assert not torch.equal(engine.actor.lm_head.weight, before)
+
+
+def test_multi_turn_rollout_stays_on_the_device(tiny_ckpt_qwen25, monkeypatch):
+    """rollout/multiturn.py on the built-in engine: 3 turns, each observation's frame patchified on an
+    environment worker thread (untagged there: counted as the host's) and appended after the
+    assistant's text (M-RoPE positions of images after text)."""
+    from test_rollout_multiturn import GRID_TOKENS, Scripted
+
+    from rollplex_train.config import EnvConfig
+    from rollplex_train.rollout.multiturn import TurnLoop
+
+    with PretendDevice(untagged_is_host=True) as placement:
+        _models_load_on_the_device(placement, monkeypatch, builtin)
+        engine = BuiltinRolloutEngine(str(tiny_ckpt_qwen25))
+        engine.fused_decode_unsupported = "the GPU path: transformers' forward"
+        loop = TurnLoop(engine, load_tokenizer(tiny_ckpt_qwen25), Scripted, EnvConfig(max_turns=3, name="scripted"))
+        trajectories = loop.rollout([0], SamplingParams(n=2, max_new_tokens=4, temperature=1.0, seed=11))
+    _clean(placement)
+    image = engine.model.config.image_token_id
+    assert [(t.num_turns, int((t.ids == image).sum())) for t in trajectories] == [(3, sum(GRID_TOKENS))] * 2
 
 
 # ---- Megatron (TP=1) and the GPU script, in a spawned gloo rank --------------------------------------
