@@ -308,7 +308,8 @@ class ClusterConfig:
     object_store_memory_bytes: int = 200 * 1024**2
     device_share: str = "cores"
     """How colocated workers share a device: ``cores`` (CPU threads; GPU time-sliced), ``streams`` or
-    ``green`` (GPU, in one process), ``mps`` (GPU, across processes); see ``device_share.py``."""
+    ``green`` (GPU, in one process), ``mps`` (GPU, across processes), or ``auto`` (the best the
+    machine has: ``device_share.resolve_share``); see ``device_share.py``."""
 
     def __post_init__(self) -> None:
         from rollplex_train.parallel import DEVICES

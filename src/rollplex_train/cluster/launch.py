@@ -60,11 +60,12 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
         TimeoutError: the Ray cluster cannot hold the devices.
     """
     from rollplex_train.cluster.workers import RolloutWorker, TrainWorker
-    from rollplex_train.device_share import check_machine
+    from rollplex_train.device_share import check_machine, resolve_share
 
     layout = ParallelLayout.from_config(cfg)
+    share = resolve_share(cfg.cluster.device_share, layout.device, cfg.cluster.executor)  # auto -> a share
     if cfg.cluster.executor == "inprocess" or cfg.cluster.address is None:  # the workers' machine is this one
-        check_machine(cfg.cluster.device_share)  # a share it cannot give fails before any worker starts
+        check_machine(share)  # a share it cannot give fails before any worker starts
     threads = layout.threads_per_device
     authkey = os.urandom(32) if cfg.sharing.enabled else None
     if cfg.cluster.executor == "inprocess":
@@ -87,12 +88,12 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
             address = ray.get(probe.remote())
     gpu = 0.5 if layout.device == "cuda" else 0.0
     train = [executor.spawn(TrainWorker, (cfg.actor.backend, cfg.model, cfg.actor, cfg.algorithm, cfg.trainer.seed,
-                                          threads, authkey, layout, rank, address, cfg.cluster.device_share),
+                                          threads, authkey, layout, rank, address, share),
                            rank, gpu)
              for rank in range(layout.world_size)]
     # concurrency 2: a share change (set_threads) reaches the rollout worker while it decodes
     rollout = [executor.spawn(RolloutWorker, (cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size,
-                                              authkey, layout, layout.rollout_devices(e)[0], cfg.cluster.device_share),
+                                              authkey, layout, layout.rollout_devices(e)[0], share),
                               layout.rollout_devices(e)[0], gpu, concurrency=2)
                for e in range(layout.rollout_dp)]
     workers = Workers(rollout=RolloutGroup(executor, rollout, layout), train=TrainGroup(executor, train, layout),
