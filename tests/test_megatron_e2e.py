@@ -1,6 +1,7 @@
 """The Megatron backend end to end through the CLI (Hydra -> Ray -> worker groups) on two CPU
-devices: 3 steps at TP=2 end with the weights of the torch backend (DP=2 on the same devices), and
-a killed TP=2 run resumes to the uninterrupted run's step 3."""
+devices: 3 steps at TP=2 (actor and built-in rollout engine) end with the weights of the torch
+backend (DP=2 on the same devices, rollout TP=1), and a killed TP=2 run resumes to the uninterrupted
+run's step 3."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 SHORT = ["trainer.total_steps=3", "trainer.save_freq=1", "trainer.val_freq=0", "trainer.val_before_train=false",
          "data.rollout_batch_size=4", "rollout.n=4", "sharing.enabled=false",
          "cluster.devices_per_node=2", "cluster.threads_per_device=1"]
-TP = {"torch": [], "megatron": ["actor.tensor_parallel_size=2"]}
+# the Megatron run also decodes with the built-in engine at TP=2 (one gloo group over the two rollout workers)
+TP = {"torch": [], "megatron": ["actor.tensor_parallel_size=2", "rollout.tensor_parallel_size=2"]}
 # planner telemetry and timings differ between runs; training results must not
 TELEMETRY = ("timing_s/", "perf/throughput", "planner/", "rollplex/", "cost/", "prefix/", "sharing/", "memory/")
 

@@ -118,7 +118,9 @@ class BuiltinRolloutEngine(RolloutEngine):
         self.tp = tp if tp is not None else TPGroup()
         self.rank_weights = RankWeights(self.model, self.tp)  # bound once the model runs on rank tensors
         if self.tp.size > 1:  # this rank's tensors cut from the checkpoint, the full model dropped
-            self.rank_weights.bind_copy_of(dict(self.model.named_parameters()), device)
+            nbytes = self.rank_weights.bind_copy_of(dict(self.model.named_parameters()), device)
+            log.info("rollout TP rank %d of %d: %.1f MB of sglang-layout tensors", self.tp.rank, self.tp.size,
+                     nbytes / 1e6)
         if device is not None:
             self.model.to(device)
         self.device = model_device(self.model)
