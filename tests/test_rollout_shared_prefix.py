@@ -12,7 +12,7 @@ from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
 from rollplex_train.rollout.shared_prefix import SharedPromptCache, shared_prefix_attention
 
-LOGPROB_TOL = 1e-5  # another summation order than SDPA's: measured <= 1e-6 (docs/architecture.md)
+LOGPROB_TOL = 1e-5  # another summation order than SDPA's (on bench_image a near tie flipped a draw: docs/benchmarks.md)
 
 
 def _prompts_kv(lengths, k=2, d=8, seed=0):
