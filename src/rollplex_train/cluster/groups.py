@@ -140,9 +140,12 @@ class TrainGroup:
 
     # ---- weights ------------------------------------------------------------------------------
     def export_shared_weights(self) -> Pending:
-        """Per rank, the handles of its actor parameters (rank order); in one process the tensors
-        themselves (``sharing.embedded.LocalWeights``)."""
-        return self._all("export_shared_weights", self.ex.kind == "inprocess", combine=list)
+        """Per rank, the handles of the rollout tensors of its device (rank order); in one process
+        the tensors themselves (``sharing.embedded.LocalWeights``). At rollout TP 1 the HF
+        parameters (the built-in engine's names), above it each rollout rank's ``sglang``-layout
+        tensors (the built-in engine at TP > 1 binds them; SGLang runs at TP 1 here)."""
+        kind = "sglang" if self.layout.rollout_tp > 1 else "hf"
+        return self._all("export_shared_weights", self.ex.kind == "inprocess", kind, combine=list)
 
     def publish_weights(self, version: int) -> Pending:
         return self._all("publish_weights", version, combine=list)

@@ -260,8 +260,8 @@ class TrainWorker:
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()
 
-    def export_shared_weights(self, same_process: bool = False) -> dict:
-        return self.engine.export_shared_weights(same_process)
+    def export_shared_weights(self, same_process: bool = False, rollout_kind: str = "hf") -> dict:
+        return self.engine.export_shared_weights(same_process, rollout_kind=rollout_kind)
 
     def publish_weights(self, version: int) -> dict[str, float]:
         return self.engine.publish_weights(version)
