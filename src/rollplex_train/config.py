@@ -589,7 +589,7 @@ class Config:
                                  "qkv_proj and gate_up_proj (set both false)")
             replica = a.tensor_parallel_size * a.pipeline_parallel_size
             if replica % r.tensor_parallel_size:  # its ranks then take the same calls in the same order
-                raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: a builtin engine's devices must "
+                raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the builtin engine's devices must "
                                  f"lie in one training replica (actor.tensor_parallel_size x pipeline_parallel_size = "
                                  f"{replica}), so that it decodes one DP rank's prompts per call")
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
