@@ -144,8 +144,8 @@ class TrainGroup:
         the tensors themselves (``sharing.embedded.LocalWeights``). At rollout TP 1 the HF
         parameters (the built-in engine's names), above it each rollout rank's ``sglang``-layout
         tensors (the built-in engine at TP > 1 binds them; SGLang runs at TP 1 here)."""
-        kind = "sglang" if self.layout.rollout_tp > 1 else "hf"
-        return self._all("export_shared_weights", self.ex.kind == "inprocess", kind, combine=list)
+        kind = ("sglang",) if self.layout.rollout_tp > 1 else ()  # TP 1: the worker's default, hf
+        return self._all("export_shared_weights", self.ex.kind == "inprocess", *kind, combine=list)
 
     def publish_weights(self, version: int) -> Pending:
         return self._all("publish_weights", version, combine=list)
