@@ -168,7 +168,12 @@ class RolloutConfig:
     max_batch_size: int = 256
     """Most sequences decoded together; larger requests are split."""
     tensor_parallel_size: int = 1
-    """TP degree of each rollout engine (SGLang ``tp_size``)."""
+    """TP degree of each rollout engine (SGLang ``tp_size``; the built-in engine runs one process per
+    device over a gloo/NCCL group, ``rollout/tensor_parallel.py``)."""
+    share_prompt_kv: bool = False
+    """Built-in engine: decode a prompt's n samples over one copy of its KV cache instead of n
+    (``rollout/shared_prefix.py``; same tokens on the tests, log-probs rounded differently, so off by
+    default; needs the fused decode step: CPU, float32, SDPA). SGLang's radix cache always keeps one."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
     seed: int = 1234
@@ -579,8 +584,15 @@ class Config:
                              f"{a.pipeline_parallel_size}: actor.backend=torch is data parallel only "
                              "(TP/PP need actor.backend=megatron)")
         if r.name == "builtin" and r.tensor_parallel_size > 1:
-            raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the builtin rollout engine "
-                             "runs on one device (TP needs rollout.name=sglang)")
+            if self.sharing.split_qkv or self.sharing.split_gate_up:
+                raise ValueError("sharing.split_qkv/split_gate_up: the builtin rollout engine at "
+                                 f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs SGLang's fused "
+                                 "qkv_proj and gate_up_proj (set both false)")
+            replica = a.tensor_parallel_size * a.pipeline_parallel_size
+            if replica % r.tensor_parallel_size:  # its ranks then take the same calls in the same order
+                raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the builtin engine's devices must "
+                                 f"lie in one training replica (actor.tensor_parallel_size x pipeline_parallel_size = "
+                                 f"{replica}), so that it decodes one DP rank's prompts per call")
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
         if self.schedule.prefill_from_actor == "true" and not self.prefill_from_actor_possible():
