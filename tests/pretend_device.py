@@ -15,6 +15,8 @@ would live:
   host, ``.to(tensor)`` to where that tensor is; any other op's result is where its inputs are;
 - a ``torch.device`` read off a host tensor (``host_tensor.device``) stays the host's: ``.to(d)`` or
   ``device=d`` with it is the host (``results.to(batch.device)``, "back where the batch lives").
+- ``nn.Parameter(t)`` takes ``t``'s place (``Tensor._make_subclass`` is not seen by the mode: a
+  module's weights bound to new tensors, as the TP engine binds a rank's tensors).
 
 An op whose inputs mix device tensors with host tensors of one or more dimensions is recorded: a
 CUDA op raises there ("Expected all tensors to be on the same device"). Allowed, as CUDA allows
@@ -33,6 +35,7 @@ dtype, stream, synchronisation and memory questions; CUDA-only code paths the CP
 
 from __future__ import annotations
 
+import threading
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,6 +50,18 @@ DEVICE, HOST = "device", "host"
 _T = torch.Tensor
 _INDEXING = {_T.__getitem__, _T.__setitem__}
 _DEVICE_OF = _T.device.__get__  # ``tensor.device`` (a new method-wrapper per access: compare with ==)
+_ACTIVE = threading.local()  # the PretendDevice entered on this thread (``.mode``), for nn.Parameter
+_PARAMETER_NEW = torch.nn.Parameter.__new__
+
+
+def _parameter_new(cls, data=None, requires_grad=True):
+    """``nn.Parameter(t)`` made outside the mode's sight (``Tensor._make_subclass``): the new
+    parameter takes ``t``'s tag, as it takes its storage (a module's weights bound to new tensors)."""
+    param = _PARAMETER_NEW(cls, data, requires_grad)
+    mode = getattr(_ACTIVE, "mode", None)
+    if mode is not None and data is not None and mode.tags.get(data) is not None:
+        mode.tags[param] = mode.tags[data]
+    return param
 
 
 @dataclass(frozen=True)
@@ -147,6 +162,16 @@ class PretendDevice(TorchFunctionMode):
         return f"{len(self.violations)} ops a GPU would refuse:\n" + "\n".join(seen)
 
     # ---- the mode -------------------------------------------------------------------------------
+    def __enter__(self):
+        self._outer = getattr(_ACTIVE, "mode", None)
+        _ACTIVE.mode = self
+        torch.nn.Parameter.__new__ = _parameter_new  # a pass-through wherever no mode is entered
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE.mode = self._outer
+        return super().__exit__(*exc)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _T.backward:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import threading
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,55 @@ def test_ppo_loop_on_the_torch_backend_stays_on_the_device(tiny_ckpt_qwen25, mix
     assert torch.equal(batch.old_logprobs, batch.ref_logprobs)  # one weights version, two passes
     assert abs(metrics["actor/ppo_kl"]) < 1e-6 and metrics["actor/pg_clipfrac"] == 0.0  # ratio 1: same weights
     assert not torch.equal(engine.actor.lm_head.weight, before)
+
+
+def test_tp2_builtin_engine_stays_on_the_device(tiny_ckpt_qwen25, mixed_prompts, monkeypatch):
+    """rollout/tensor_parallel.py: the built-in engine at TP = 2, its two ranks as threads of this
+    process over one gloo group, each under a pretend device of its own (the mode is per thread):
+    vocab-parallel embedding and head, row-parallel all-reduces, and the actor's whole-model prefixes
+    cut to a rank's KV heads (``shard_prefix_kv``)."""
+    import torch.distributed as dist
+
+    from rollplex_train.rollout.tensor_parallel import TPGroup
+
+    placements: dict[int, PretendDevice] = {}
+    real = builtin.load_model
+
+    def load(*args, **kwargs):  # each rank's model on its thread's device
+        model = real(*args, **kwargs)
+        placements[threading.get_ident()].on_device(model)
+        return model
+
+    monkeypatch.setattr(builtin, "load_model", load)
+    actor = load_model(tiny_ckpt_qwen25)
+    states = [encode_prefix(actor, [p], version=0)[0] for p in mixed_prompts]
+    params = SamplingParams(n=2, max_new_tokens=5, seed=1)
+    store, out = dist.HashStore(), [None, None]
+
+    def rank(r: int) -> None:
+        try:
+            with PretendDevice(untagged_is_host=True) as placement:
+                placements[threading.get_ident()] = placement
+                engine = BuiltinRolloutEngine(str(tiny_ckpt_qwen25), tp=TPGroup(r, 2, group=dist.ProcessGroupGloo(store, r, 2)))
+                engine.fused_decode_unsupported = "the GPU path: transformers' forward"
+                placement.on_device(states)  # the actor's prefixes, on the device they were made on
+                placement.on_host(mixed_prompts)
+                own = engine.generate(mixed_prompts, params)
+                given = engine.generate(mixed_prompts, params, prefixes=states)
+            out[r] = (placement, [x.token_ids.tolist() for x in own], [x.token_ids.tolist() for x in given])
+        except BaseException as err:  # noqa: BLE001 - reported below
+            out[r] = err
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(isinstance(o, tuple) for o in out), out
+    for placement, _, _ in out:
+        _clean(placement)
+    # both ranks sample from the same gathered logits (own prefill and given prefixes alike)
+    assert out[0][1:] == out[1][1:] and [len(t) for t in out[0][1] + out[0][2]] == [5] * 12
 
 
 def test_multi_turn_rollout_stays_on_the_device(tiny_ckpt_qwen25, monkeypatch):
