@@ -29,7 +29,8 @@ from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.prefix import PrefixState, encode_prefix
 from rollplex_train.models.sequence import pad_prompts
 from rollplex_train.device import compute_context, model_device
-from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
+from rollplex_train.rollout.base import RolloutEngine, SamplingParams, register_rollout_engine
+from rollplex_train.versioning import StaleWeightsError, check_newer, check_version
 from rollplex_train.rollout.decoder import FusedDecoder
 from rollplex_train.rollout.kv_cache import PreallocatedCache
 
@@ -139,16 +140,15 @@ class BuiltinRolloutEngine(RolloutEngine):
         return sorted((r for item in finished for r in item), key=lambda r: r.prompt_index)  # stable
 
     supports_progress = True
+    accepts_prefix_states = True  # decodes from the actor's prefix KV caches (_prefill)
 
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
                         weights_version: Optional[int] = None, prefixes: Optional[list] = None,
                         progress_every: int = 0) -> Iterator[list]:
         if self._released:
             raise RuntimeError("rollout engine memory is released: call resume_memory() before generate()")
-        if weights_version is not None and weights_version != self.weights_version:
-            raise StaleWeightsError(
-                f"request for weights version {weights_version}, engine holds version {self.weights_version}"
-            )
+        if weights_version is not None:
+            check_version(weights_version, self.weights_version, "request", "engine")
         if self._shared is not None:  # the trainer's own tensors: refuse them stale or mid-update
             self._shared.check(self.weights_version)
         if progress_every and not params.ignore_eos:
@@ -170,8 +170,7 @@ class BuiltinRolloutEngine(RolloutEngine):
         if self._shared is not None:
             raise RuntimeError("the weights are the trainer's shared tensors: use sync_shared_weights, "
                                "update_weights would write into the trainer's memory")
-        if version <= self.weights_version:
-            raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
+        check_newer(version, self.weights_version, "update_weights")
         named_tensors = dict(named_tensors)  # a state dict or an iterator of (name, tensor)
         current = self.model.state_dict()
         tied = {k for k in current if k.endswith("lm_head.weight")} if self.model.config.tie_word_embeddings else set()
@@ -255,9 +254,10 @@ class BuiltinRolloutEngine(RolloutEngine):
             if given is None:
                 with compute_context(self.device, self.compute_dtype):
                     given, = encode_prefix(self.model, [prompt], version=self.weights_version)
-            elif given.version != self.weights_version or given.uid != prompt.uid:
-                raise StaleWeightsError(f"prefix of {given.uid!r} at weights version {given.version}, engine "
-                                        f"holds version {self.weights_version} for prompt {prompt.uid!r}")
+            elif given.uid != prompt.uid:
+                raise StaleWeightsError(f"prefix of {given.uid!r} handed in for prompt {prompt.uid!r}")
+            else:
+                check_version(given.version, self.weights_version, f"prefix of {given.uid!r}", "engine")
             states.append(given)
         return states
 

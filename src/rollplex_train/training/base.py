@@ -106,6 +106,13 @@ class TrainEngine(abc.ABC):
     supports_suffix_chunks: bool = False
     """Whether :meth:`score_suffix_chunks` runs (the planner streams suffix chunks only then)."""
 
+    exports_prefix_states: bool = False
+    """Whether ``precompute_prefixes(export=True)`` returns whole prefix states a rollout engine can
+    decode from (not TP shards; the config's ``schedule.prefill_from_actor`` asks this)."""
+
+    supports_model_parallel: bool = False
+    """Whether ``actor.tensor_parallel_size`` / ``pipeline_parallel_size`` above 1 can be honoured."""
+
     def score_suffix_chunks(self, prompts, role: str, tokens: dict[int, torch.Tensor], width: int,
                             weights_version: int, final: bool = False) -> dict[str, float]:
         """Run the suffix pass of decoding groups on the tokens they have so far (``schedule=rollplex``

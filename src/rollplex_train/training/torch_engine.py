@@ -28,7 +28,8 @@ from rollplex_train.models.prefix import ChunkedSuffix, chunk_end, encode_prefix
 from rollplex_train.training.base import PrefixFunctions, PrefixPasses
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
 from rollplex_train.training.base import TrainEngine, register_train_engine
-from rollplex_train.training.prefix_store import PrefixStore, StalePrefixError
+from rollplex_train.training.prefix_store import PrefixStore
+from rollplex_train.versioning import check_version
 
 log = logging.getLogger(__name__)
 
@@ -210,12 +211,10 @@ class TorchTrainEngine(TrainEngine):
             with ``export``, ``prefix/states`` (recorded under ``weights_version``).
 
         Raises:
-            StalePrefixError: ``weights_version`` differs from this engine's.
+            StaleWeightsError: ``weights_version`` differs from this engine's.
             ValueError: a ``ref`` prefix without a reference model, or an unknown role.
         """
-        if weights_version != self.weights_version:
-            raise StalePrefixError(f"prefix tasks for weights version {weights_version}, the actor holds "
-                                   f"version {self.weights_version}")
+        check_version(weights_version, self.weights_version, "prefix task", "the actor")
         start = time.perf_counter()
         out = {"prefix/start_time": start, "prefix/threads": float(torch.get_num_threads())}
         for role in roles:
@@ -236,6 +235,7 @@ class TorchTrainEngine(TrainEngine):
         return out
 
     supports_suffix_chunks = True
+    exports_prefix_states = True  # whole transformers KV caches (schedule.prefill_from_actor)
 
     @torch.no_grad()
     def score_suffix_chunks(self, prompts, role: str, tokens: dict[int, torch.Tensor], width: int,
@@ -257,14 +257,12 @@ class TorchTrainEngine(TrainEngine):
             ``suffix/bytes_held`` (chunked passes held).
 
         Raises:
-            StalePrefixError: ``weights_version`` differs from this engine's.
+            StaleWeightsError: ``weights_version`` differs from this engine's.
             ValueError: an unknown role, a missing reference or ``model.shared_prefix=false``.
         """
         if not self.supports_suffix_chunks:
             raise NotImplementedError(f"{type(self).__name__} cannot score suffix chunks (its prefix states are TP shards)")
-        if weights_version != self.weights_version:
-            raise StalePrefixError(f"suffix chunks for weights version {weights_version}, the actor holds "
-                                   f"version {self.weights_version}")
+        check_version(weights_version, self.weights_version, "suffix chunk", "the actor")
         if role not in ("ref", "actor") or (role == "ref" and self.ref is None) or not self.model_cfg.shared_prefix:
             raise ValueError(f"cannot score {role!r} suffix chunks (reference present: {self.ref is not None}, "
                              f"model.shared_prefix={self.model_cfg.shared_prefix})")
@@ -477,12 +475,9 @@ class TorchTrainEngine(TrainEngine):
         return self._shared.export()
 
     def publish_weights(self, version: int) -> dict[str, float]:
-        from rollplex_train.versioning import StaleWeightsError
-
         if self._shared is None:
             raise RuntimeError("publish_weights before export_shared_weights")
-        if version != self.weights_version:
-            raise StaleWeightsError(f"publish of weights version {version}, the actor holds {self.weights_version}")
+        check_version(version, self.weights_version, "publish", "the actor")
         return self._shared.publish(version)
 
     def weights_digest(self) -> dict[str, str]:

@@ -88,6 +88,8 @@ class MegatronTrainEngine(TorchTrainEngine):
     """
 
     supports_suffix_chunks = False  # models.prefix.ChunkedSuffix runs a whole HF model, not TP shards
+    exports_prefix_states = False  # its prefix states are TP shards
+    supports_model_parallel = True
 
     def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1,
                  layout: Optional[ParallelLayout] = None, rank: int = 0):
