@@ -61,7 +61,7 @@ def _run_errors(trainer):
     code 2."""
     from rollplex_train.algo.rewards import RewardFailure
     from rollplex_train.data.loader import NoBatchError
-    from rollplex_train.runtime.rollplex import PrefillBudgetError
+    from rollplex_train.runtime.window import PrefillBudgetError
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # kept across ray.init (start_ray)
     try:

@@ -3,7 +3,11 @@
 Every section is a keyword-only dataclass registered with Hydra's ConfigStore, so a misspelt key in
 YAML or on the command line is an error (OmegaConf struct mode). Each dataclass checks its own
 values in ``__post_init__`` and raises ``ValueError`` naming the offending key. Sections never copy
-values between each other; derived quantities are computed where they are used.
+values between each other: the few values derived from other sections or from what the chosen
+engines can do are resolved in one step, :func:`resolve` (run by :func:`to_config`), which logs
+each one. What an engine can do is asked of the registries (the engines' class attributes:
+``RolloutEngine.accepts_prefix_states``, ``TrainEngine.supports_model_parallel`` ...), never
+decided by testing its name.
 
 Names follow verl/EasyR1 where a counterpart exists (``rollout.n``, ``actor.ppo_mini_batch_size``,
 ``algorithm.adv_estimator``, ``actor.clip_ratio_low``/``clip_ratio_high``, ``actor.loss_agg_mode``).
@@ -11,17 +15,21 @@ Names follow verl/EasyR1 where a counterpart exists (``rollout.n``, ``actor.ppo_
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # Hydra/OmegaConf are imported where used: the in-process GPU benchmark runs without them
     from omegaconf import DictConfig
 
-from rollplex_train.runtime.hardware import GpuConfig, TimelineConfig
+from rollplex_train.hardware import GpuConfig, TimelineConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 SCHEDULES = ("serial", "disaggregated", "rollplex")
+
+log = logging.getLogger(__name__)
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -408,7 +416,8 @@ class ScheduleConfig:
     """rollplex: encode the first mini-batch's actor prefixes (with their graph) before decode and
     hand their KV caches to the rollout engine, which then skips its own prefill of those prompts
     (one vision + prompt pass per group fewer). ``auto``: where it can run (``schedule.name=rollplex``,
-    ``rollout.name=builtin``, ``actor.backend=torch``, and the states fit ``prefix_memory_gib``);
+    a rollout engine that accepts prefix states (``builtin``), a backend that exports whole ones
+    (``torch``), and the states fit ``prefix_memory_gib``; resolved to ``false`` elsewhere);
     ``true``: required (a config error where it cannot run, a run error when the states outgrow the
     budget); ``false``: off. The states' bytes per token are measured by the first step, so the
     budget applies from the second step on."""
@@ -417,9 +426,10 @@ class ScheduleConfig:
     """rollplex under ``rollout.ignore_eos`` with a reference: the planner may score the reference
     suffixes in chunks of this many response tokens while decode goes on (the decode window's
     train share), with the one-call pass's numbers (``models.prefix.ChunkedSuffix``); it does when
-    its cost model predicts a gain over the margin. Needs the builtin rollout, the torch backend and
-    ``model.shared_prefix``; elsewhere it stays off. 0: off; otherwise at least 4 (the rollplex
-    schedule's config sets 32; docs/benchmarks.md, "Reference suffix chunks in the decode window")."""
+    its cost model predicts a gain over the margin. Needs a rollout engine that reports decode
+    progress (``builtin``), a backend that scores chunks (``torch``) and ``model.shared_prefix``;
+    elsewhere it is resolved to 0 (off). 0: off; otherwise at least 4 (the rollplex schedule's
+    config sets 32; docs/benchmarks.md, "Reference suffix chunks")."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule", "name", self.name, SCHEDULES)
@@ -496,47 +506,87 @@ class Config:
         from rollplex_train.parallel import ParallelLayout
 
         ParallelLayout.from_config(self)  # degrees that do not fit the devices fail here, naming the keys
-        a, r = self.actor, self.rollout
-        if a.backend == "torch" and (a.tensor_parallel_size > 1 or a.pipeline_parallel_size > 1):
-            raise ValueError(f"actor.tensor_parallel_size={a.tensor_parallel_size}, actor.pipeline_parallel_size="
-                             f"{a.pipeline_parallel_size}: actor.backend=torch is data parallel only "
-                             "(TP/PP need actor.backend=megatron)")
-        if r.name == "builtin" and r.tensor_parallel_size > 1:
-            raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the builtin rollout engine "
-                             "runs on one device (TP needs rollout.name=sglang)")
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
-        if self.schedule.prefill_from_actor == "true" and not self.prefill_from_actor_possible():
-            raise ValueError(f"schedule.prefill_from_actor=true needs schedule.name=rollplex, rollout.name=builtin, "
-                             f"actor.backend=torch and a schedule.prefix_memory_gib above 0 (got {self.schedule.name}, "
-                             f"{r.name}, {a.backend}, {self.schedule.prefix_memory_gib})")
         mini = self.actor.ppo_mini_batch_size
         if mini > 0 and self.data.rollout_batch_size % mini != 0:
             raise ValueError(
                 f"actor.ppo_mini_batch_size={mini} must divide data.rollout_batch_size="
                 f"{self.data.rollout_batch_size}"
             )
-        if a.lr_scheduler == "cosine" and a.lr_decay_steps == -1:  # resolved once here (verl injects
-            # total_training_steps into its optimizer config the same way)
-            per_step = 1 if mini <= 0 else self.data.rollout_batch_size // mini
-            a.lr_decay_steps = max(1, self.trainer.total_steps * per_step * a.ppo_epochs - max(a.lr_warmup_steps, 0))
 
-    def prefill_from_actor_possible(self) -> bool:
-        """Whether the rollout can decode from the actor's prefix KV caches (``schedule.prefill_from_actor``):
-        the rollplex schedule encodes them, the torch backend's states are whole (not TP shards), the
-        built-in engine accepts them (SGLang prefills every prompt itself) and prefix state may stay
-        alive across decode (``schedule.prefix_memory_gib`` not 0)."""
-        return (self.schedule.name == "rollplex" and self.rollout.name == "builtin" and self.actor.backend == "torch"
-                and self.schedule.prefix_memory_gib != 0)
 
-    def suffix_chunks_possible(self) -> bool:
-        """Whether the planner may score reference suffix chunks during decode
-        (``schedule.suffix_chunk_tokens``): rollplex, the built-in engine (it reports decode
-        progress), the torch backend with ``model.shared_prefix``, a reference model and
-        ``rollout.ignore_eos`` (every response is ``max_new_tokens`` long, the pass's width)."""
-        return (self.schedule.name == "rollplex" and self.schedule.suffix_chunk_tokens > 0
-                and self.rollout.name == "builtin" and self.actor.backend == "torch" and self.model.shared_prefix
-                and self.algorithm.needs_reference and self.rollout.ignore_eos)
+def _engine_class(registry, name: str):
+    """The engine class registered as ``name``, or None when its optional extra is not installed
+    (then nothing can be asked of it here; the trainer stops on the missing extra before Ray)."""
+    from rollplex_train.registry import MissingExtraError
+
+    try:
+        return registry.get(name)
+    except MissingExtraError:
+        return None
+
+
+def _can(engine, capability: str) -> bool:
+    """``engine``'s declared capability (an engine that could not be imported is taken at its word)."""
+    return True if engine is None else bool(getattr(engine, capability))
+
+
+def resolve(cfg: Config) -> Config:
+    """The values derived from other sections or from the chosen engines' capabilities, resolved in
+    one step, each change logged:
+
+    - ``actor.lr_decay_steps=-1`` under a cosine schedule: the run's optimizer steps after the
+      warm-up (``trainer.total_steps`` x mini-batches per step x ``actor.ppo_epochs`` - warm-up; verl
+      injects ``total_training_steps`` into its optimizer config the same way);
+    - ``schedule.prefill_from_actor=auto``: ``false`` where the actor's prefixes cannot be handed to
+      the rollout (another schedule, an engine that prefills every prompt itself, a backend whose
+      states are TP shards, ``schedule.prefix_memory_gib=0``);
+    - ``schedule.suffix_chunk_tokens``: 0 where the reference suffix chunks cannot run.
+
+    Raises:
+        ValueError: a setting the chosen engines cannot honour (TP/PP degrees, a required prefill
+            handover), naming the keys; an unknown engine name.
+    """
+    from rollplex_train.rollout.base import ROLLOUT_ENGINES
+    from rollplex_train.training.base import TRAIN_ENGINES
+
+    a, r, sch = cfg.actor, cfg.rollout, cfg.schedule
+    rollout, train = _engine_class(ROLLOUT_ENGINES, r.name), _engine_class(TRAIN_ENGINES, a.backend)
+    if (a.tensor_parallel_size > 1 or a.pipeline_parallel_size > 1) and not _can(train, "supports_model_parallel"):
+        raise ValueError(f"actor.tensor_parallel_size={a.tensor_parallel_size}, actor.pipeline_parallel_size="
+                         f"{a.pipeline_parallel_size}: actor.backend={a.backend} is data parallel only "
+                         "(TP/PP need actor.backend=megatron)")
+    if r.tensor_parallel_size > 1 and not _can(rollout, "supports_tensor_parallel"):
+        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the {r.name} rollout engine "
+                         "runs on one device (TP needs rollout.name=sglang)")
+    handover = (sch.name == "rollplex" and _can(rollout, "accepts_prefix_states")
+                and _can(train, "exports_prefix_states") and sch.prefix_memory_gib != 0)
+    if sch.prefill_from_actor == "true" and not handover:
+        raise ValueError(f"schedule.prefill_from_actor=true needs schedule.name=rollplex, a rollout engine that "
+                         f"accepts prefix states (builtin), a backend that exports whole ones (torch) and a "
+                         f"schedule.prefix_memory_gib above 0 (got {sch.name}, {r.name}, {a.backend}, "
+                         f"{sch.prefix_memory_gib})")
+    chunks = (sch.name == "rollplex" and _can(rollout, "supports_progress") and _can(train, "supports_suffix_chunks")
+              and cfg.model.shared_prefix and cfg.algorithm.needs_reference and r.ignore_eos)
+    changes = {}
+    if a.lr_scheduler == "cosine" and a.lr_decay_steps == -1:
+        mini = a.ppo_mini_batch_size
+        per_step = 1 if mini <= 0 else cfg.data.rollout_batch_size // mini
+        changes[("actor", "lr_decay_steps")] = max(1, cfg.trainer.total_steps * per_step * a.ppo_epochs
+                                                   - max(a.lr_warmup_steps, 0))
+    if sch.prefill_from_actor == "auto" and not handover:
+        changes[("schedule", "prefill_from_actor")] = "false"
+    if sch.suffix_chunk_tokens > 0 and not chunks:
+        changes[("schedule", "suffix_chunk_tokens")] = 0
+    if not changes:
+        return cfg
+    log.info("config: resolved %s", ", ".join(f"{sec}.{key}={getattr(getattr(cfg, sec), key)!r} -> {value!r}"
+                                              for (sec, key), value in changes.items()))
+    sections = {}
+    for (sec, key), value in changes.items():
+        sections[sec] = dataclasses.replace(sections.get(sec, getattr(cfg, sec)), **{key: value})
+    return dataclasses.replace(cfg, **sections)
 
 
 def register_configs() -> None:
@@ -548,7 +598,7 @@ def register_configs() -> None:
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """Turn a composed Hydra config into validated dataclasses.
+    """Turn a composed Hydra config into validated dataclasses, derived values resolved (:func:`resolve`).
 
     The composed config is merged once more into a fresh structured ``Config``, so a key that the
     schema lacks is an error even when it was appended with ``+key=value``.
@@ -560,4 +610,4 @@ def to_config(cfg: DictConfig) -> Config:
     from omegaconf import OmegaConf
 
     merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg, resolve=False))
-    return OmegaConf.to_object(merged)
+    return resolve(OmegaConf.to_object(merged))

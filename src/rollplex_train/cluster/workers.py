@@ -1,8 +1,9 @@
 """Worker shells: one TrainWorker per device and one RolloutWorker per rollout engine, colocated.
 
 They are thin: each builds its engine through the registry, pins its torch thread count, joins the
-training ranks' torch.distributed group, resolves object-store references, and forwards calls. No
-algorithm code lives here. The same classes run as Ray actors (``RayExecutor``) or as objects in
+training ranks' torch.distributed group, resolves object-store references, forwards calls, and
+turns what an engine returns into the typed results of ``runtime/protocol.py`` (the one place that
+reads an engine's ``prefix/*`` / ``suffix/*`` keys). No algorithm code lives here. The same classes run as Ray actors (``RayExecutor``) or as objects in
 the driver (``InProcessExecutor``). On CPU colocated workers share the device's cores
 (``cluster.threads_per_device``); on a GPU, with ``cluster.device_share=streams|green``, each
 worker thread issues on a CUDA stream of its own (``device_share.py``).
@@ -25,6 +26,7 @@ from rollplex_train.rollout.base import SamplingParams, create_rollout_engine
 from rollplex_train.device import layout_device
 from rollplex_train.device_share import enter_side, half_sms
 from rollplex_train.memory.host_malloc import keep_freed_memory
+from rollplex_train.runtime.protocol import ChunkResult, PrefixResult, WeightsExport
 from rollplex_train.training.base import create_train_engine
 
 
@@ -42,6 +44,28 @@ def resolve_batch(batch: TrainBatch) -> TrainBatch:
     """The batch with its prompts fetched if they travel by reference."""
     batch.prompts = resolve(batch.prompts)
     return batch
+
+
+def prefix_result(out: dict) -> PrefixResult:
+    """``TrainEngine.precompute_prefixes``'s ``prefix/*`` dict as a :class:`PrefixResult` (the keys
+    it does not name go to ``metrics``)."""
+    roles = [k.split("/")[1] for k in out if k.count("/") == 2 and k.endswith("/seconds")]
+    taken = {"prefix/start_time", "prefix/end_time", "prefix/threads", "prefix/bytes_held", "prefix/states",
+             *(f"prefix/{r}/{x}" for r in roles for x in ("seconds", "tokens"))}
+    return PrefixResult(seconds={r: out[f"prefix/{r}/seconds"] for r in roles},
+                        tokens={r: int(out[f"prefix/{r}/tokens"]) for r in roles},
+                        start_time=out["prefix/start_time"], end_time=out["prefix/end_time"],
+                        threads=int(out["prefix/threads"]), bytes_held=out["prefix/bytes_held"],
+                        states=list(out.get("prefix/states", [])),
+                        metrics={k: v for k, v in out.items() if k not in taken})
+
+
+def chunk_result(role: str, out: dict) -> ChunkResult:
+    """``TrainEngine.score_suffix_chunks``'s ``suffix/*`` dict as a :class:`ChunkResult`."""
+    taken = {f"suffix/{role}/seconds", f"suffix/{role}/tokens", "suffix/start_time", "suffix/end_time", "suffix/threads"}
+    return ChunkResult(role=role, seconds=out[f"suffix/{role}/seconds"], tokens=int(out[f"suffix/{role}/tokens"]),
+                       start_time=out["suffix/start_time"], end_time=out["suffix/end_time"],
+                       threads=int(out["suffix/threads"]), metrics={k: v for k, v in out.items() if k not in taken})
 
 
 def init_distributed(rank: int, world_size: int, address: Optional[tuple[str, int]], device: str) -> None:
@@ -228,9 +252,9 @@ class TrainWorker:
             torch.cuda.current_stream(device).synchronize()  # the load is done before another stream reads it
             self.side = enter_side(device_share, device, half_sms(device, device_share, "prefix"))
 
-    def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
-                          with_entropy: bool = False):
-        return self.engine.compute_log_probs(resolve_batch(batch), role, temperature, with_entropy)
+    def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0) -> torch.Tensor:
+        """(N, R) float32 log-probs of ``batch``'s responses under ``role``."""
+        return self.engine.compute_log_probs(resolve_batch(batch), role, temperature)[0]
 
     def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
         return self.engine.update_actor(resolve_batch(batch), temperature)
@@ -238,8 +262,9 @@ class TrainWorker:
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()
 
-    def export_shared_weights(self, same_process: bool = False) -> dict:
-        return self.engine.export_shared_weights(same_process)
+    def export_shared_weights(self, same_process: bool = False) -> WeightsExport:
+        out = self.engine.export_shared_weights(same_process)
+        return WeightsExport(out["payload"], out["view_bytes"], out["rebuild_bytes"], out["rollout_bytes"])
 
     def publish_weights(self, version: int) -> dict[str, float]:
         return self.engine.publish_weights(version)
@@ -254,13 +279,14 @@ class TrainWorker:
         return self.engine.prefetch_states(parts)
 
     def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int,
-                            indices: Optional[list[int]] = None, export: bool = False):
-        return self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version, export)
+                            indices: Optional[list[int]] = None, export: bool = False) -> PrefixResult:
+        return prefix_result(self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version, export))
 
     def score_suffix_chunks(self, prompts: list[PromptSample], role: str, tokens: dict, width: int,
-                            weights_version: int, final: bool = False):
+                            weights_version: int, final: bool = False) -> ChunkResult:
         """``tokens``: position in ``prompts`` (this rank's prompts, by reference) -> (n, t) tokens."""
-        return self.engine.score_suffix_chunks(resolve(prompts), role, tokens, width, weights_version, final)
+        return chunk_result(role, self.engine.score_suffix_chunks(resolve(prompts), role, tokens, width,
+                                                                  weights_version, final))
 
     def set_threads(self, threads: int) -> None:
         """This worker's share of the cores for the coming phase."""

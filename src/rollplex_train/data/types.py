@@ -192,6 +192,33 @@ class TrainBatch:
     def num_responses(self) -> int:
         return int(self.response_ids.shape[0])
 
+    @classmethod
+    def from_responses(cls, prompts: list[PromptSample], responses: list[Response], pad_id: int) -> "TrainBatch":
+        """Stack grouped responses into a right-padded batch over the step's ``prompts``
+        (``group_index`` = each response's ``prompt_index``, the step's global prompt index).
+
+        Args:
+            responses: N responses, those of one prompt contiguous (as engines return them): all of
+                the step's prompts, or some finished groups (a decode-tail suffix task).
+
+        Raises:
+            ValueError: an empty response list (nothing to train on).
+        """
+        if not responses:
+            raise ValueError("no responses to train on")
+        max_len = max(1, max(int(r.token_ids.shape[0]) for r in responses))
+        n = len(responses)
+        ids = torch.full((n, max_len), pad_id, dtype=torch.long)
+        mask = torch.zeros((n, max_len), dtype=torch.float32)
+        rollout_logprobs = torch.zeros((n, max_len), dtype=torch.float32)
+        for i, r in enumerate(responses):
+            length = int(r.token_ids.shape[0])
+            ids[i, :length] = r.token_ids
+            mask[i, :length] = 1.0
+            rollout_logprobs[i, :length] = r.logprobs
+        return cls(prompts=prompts, group_index=torch.tensor([r.prompt_index for r in responses], dtype=torch.long),
+                   response_ids=ids, response_mask=mask, rollout_logprobs=rollout_logprobs)
+
     def plan_mini_batches(self, groups_per_mini_batch: int) -> list[MiniBatchSpec]:
         """``mini_batches`` if set, else consecutive runs of ``groups_per_mini_batch`` prompts with
         this batch's own token/sequence counts."""
@@ -239,8 +266,7 @@ class TrainBatch:
     def select_groups(self, prompt_indices: list[int]) -> "TrainBatch":
         """The sub-batch holding the responses of the given prompts (prompt indices renumbered)."""
         remap = {p: i for i, p in enumerate(prompt_indices)}
-        rows = [i for i, g in enumerate(self.group_index.tolist()) if g in remap]
-        idx = torch.tensor(rows, dtype=torch.long)
+        idx = self.rows_of(prompt_indices)
 
         def take(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t.index_select(0, idx)
@@ -259,11 +285,13 @@ class TrainBatch:
         )
 
 
-def gather_rows(parts: list[TrainBatch], values: list[torch.Tensor], num_rows: int) -> torch.Tensor:
-    """Put per-rank (N_r, R) results back in the whole batch's row order: (num_rows, R) float32.
+def gather_rows(parts: list[TrainBatch], values: list[torch.Tensor], num_rows: int,
+                complete: bool = True) -> torch.Tensor:
+    """Put per-rank (N_r, R) results back in the whole batch's row order: (num_rows, R) float32
+    (rows no part holds stay 0 when ``complete=False``: the parts cover some groups only).
 
     Raises:
-        AssertionError: a part without ``source_rows`` or rows left unfilled.
+        AssertionError: a part without ``source_rows``, or (``complete``) rows left unfilled.
     """
     width = max(v.shape[1] for v in values)
     out = torch.zeros(num_rows, width, dtype=values[0].dtype)
@@ -272,5 +300,5 @@ def gather_rows(parts: list[TrainBatch], values: list[torch.Tensor], num_rows: i
         assert part.source_rows is not None
         out[part.source_rows, : value.shape[1]] = value
         filled += len(part.source_rows)
-    assert filled == num_rows, (filled, num_rows)
+    assert filled == num_rows or not complete, (filled, num_rows)
     return out
