@@ -89,6 +89,34 @@ def test_grid_and_placeholder_mismatch_is_an_error():
         _positions(QWEN25, [T, T], image_grid_thw=torch.tensor([[1, 2, 2]]))
 
 
+def test_three_turn_trajectory_with_images_after_assistant_text():
+    """A multi-turn trajectory (rollout/multiturn.py): each observation's image follows the previous
+    turn's assistant text. Layout, with grids (1, 4, 4) -> 2x2, (1, 4, 6) -> 2x3, (1, 6, 4) -> 3x2 tokens:
+
+        user 0  [T T T | I*4 | T T]        response 0 [T T T]
+        user 1  [T T | I*6 | T T]          response 1 [T T T]
+        user 2  [T | I*6 | T]              response 2 [T T]
+
+    Each block starts at the position after the text before it (the assistant's included) and what
+    follows it at the block's largest position + 1; turn k's engine input is a prefix of the whole,
+    so its positions are the whole's first columns and its next position is response k's first."""
+    user0, resp0, user1, resp1, user2, resp2 = [T] * 3 + [I] * 4 + [T] * 2, [T] * 3, \
+        [T] * 2 + [I] * 6 + [T] * 2, [T] * 3, [T] + [I] * 6 + [T], [T] * 2
+    grids = torch.tensor([[1, 4, 4], [1, 4, 6], [1, 6, 4]])
+    pos, nxt = _positions(QWEN25, user0 + resp0 + user1 + resp1 + user2 + resp2, image_grid_thw=grids)
+    t_axis = [0, 1, 2, 3, 3, 3, 3, 5, 6, 7, 8, 9, 10, 11] + [12] * 6 + [15, 16, 17, 18, 19, 20] + [21] * 6 + [24, 25, 26]
+    h_axis = [0, 1, 2, 3, 3, 4, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12, 12, 13, 13, 13, 15, 16, 17, 18, 19, 20,
+              21, 21, 22, 22, 23, 23, 24, 25, 26]
+    w_axis = [0, 1, 2, 3, 4, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+              21, 22, 21, 22, 21, 22, 24, 25, 26]
+    assert pos == [t_axis, h_axis, w_axis] and nxt == 27
+    assert pos == _positions(QWEN2, user0 + resp0 + user1 + resp1 + user2 + resp2, image_grid_thw=grids)[0]
+    for turn, (length, first_response) in enumerate([(9, 7), (22, 17), (33, 25)]):
+        types = (user0 + resp0 + user1 + resp1 + user2)[:length]
+        prefix, next_position = _positions(QWEN25, types, image_grid_thw=grids[:turn + 1])
+        assert prefix == [row[:length] for row in pos] and next_position == first_response == t_axis[length]
+
+
 def _video_question(tokenizer, seconds_per_grid: float) -> PromptSample:
     """'Watch <video> then answer: which way?' with a (3, 4, 4) video grid (12 tokens), random patches."""
     grid = torch.tensor([[3, 4, 4]])

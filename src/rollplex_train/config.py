@@ -28,9 +28,9 @@ from rollplex_train.hardware import GpuConfig, TimelineConfig
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 SCHEDULES = ("serial", "disaggregated", "rollplex")
+DTYPES = ("float32", "bfloat16", "float16")
 
 log = logging.getLogger(__name__)
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check_choice(section: str, key: str, value: Any, choices: tuple) -> None:
@@ -442,6 +442,80 @@ class ScheduleConfig:
 
 
 @dataclass(kw_only=True)
+class EnvConfig:
+    """A multi-turn environment (``envs/``) and how a rollout drives it (``rollout/multiturn.py``).
+    ``name=""`` (the default): no environment, single-turn prompts from ``data``."""
+
+    name: str = ""
+    """``frozenlake``, ``minigrid:<MiniGrid or BabyAI id>`` or ``path/to/file.py:Class`` (a
+    ``envs.VisionEnv`` or a VAGEN ``GymImageEnv``); built-ins need the ``envs`` extra."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """The environment's own options (frozenlake: ``desc``, ``size``, ``p``, ``is_slippery``;
+    minigrid: ``env_kwargs``; a user class: its constructor's keywords)."""
+    max_turns: int = 5
+    """Most turns (model answers) per trajectory; an episode still running then is truncated."""
+    max_context_tokens: int = 4096
+    """Most tokens of a turn's engine input plus ``rollout.max_new_tokens``; a trajectory whose next
+    turn would exceed it ends (``token_budget``)."""
+    context: str = "full"
+    """``full``: every turn sees the whole history (images accumulate); ``window:<k>``: the system
+    message and the last k observations with the answers between them."""
+    max_actions_per_turn: Optional[int] = None
+    """Built-ins: most actions one answer may take (None: 3)."""
+    format_penalty: Optional[float] = None
+    """Built-ins: subtracted from the reward of a turn whose answer is unparsable or names an unknown
+    action (None: 0.1); such turns are counted."""
+    answer_format: Optional[str] = None
+    """Built-ins: ``tag`` (``<answer>Left, Down</answer>``, VAGEN's) or ``words`` (None: tag)."""
+    min_pixels: int = 56 * 56
+    max_pixels: int = 112 * 112
+    """Pixel budget of a frame (area bounds): frames are resized to it (Qwen2-VL ``smart_resize``)."""
+    num_workers: int = 4
+    """Threads stepping environments while other trajectories decode."""
+    step_timeout_s: float = 60.0
+    """Most seconds one ``reset``/``step`` may run; past it the call counts as an environment error."""
+    on_error: str = "truncate"
+    """An environment that raises, breaks the observation contract or times out in ``step``:
+    ``truncate`` ends that trajectory (``env_error``, counted and logged) or ``raise`` stops the
+    rollout with a one-line error. Errors in ``reset`` always stop it."""
+
+    def __post_init__(self) -> None:
+        for key in ("max_turns", "max_context_tokens", "min_pixels", "max_pixels", "num_workers", "step_timeout_s"):
+            _check_positive("env", key, getattr(self, key))
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(f"env.min_pixels={self.min_pixels} > env.max_pixels={self.max_pixels}")
+        _check_choice("env", "on_error", self.on_error, ("truncate", "raise"))
+        if self.answer_format is not None:
+            _check_choice("env", "answer_format", self.answer_format, ("tag", "words"))
+        if self.max_actions_per_turn is not None:
+            _check_positive("env", "max_actions_per_turn", self.max_actions_per_turn)
+        if self.format_penalty is not None:
+            _check_positive("env", "format_penalty", self.format_penalty, allow_zero=True)
+        _ = self.context_window  # validates env.context
+
+    @property
+    def context_window(self) -> Optional[int]:
+        """k of ``window:<k>``, None for ``full``.
+
+        Raises:
+            ValueError: ``context`` is neither ``full`` nor ``window:<k>`` with k >= 1.
+        """
+        if self.context == "full":
+            return None
+        head, _, k = self.context.partition(":")
+        if head != "window" or not k.isdigit() or int(k) < 1:
+            raise ValueError(f"env.context={self.context!r}: expected 'full' or 'window:<k>' with k >= 1")
+        return int(k)
+
+    def adapter_options(self) -> dict[str, Any]:
+        """The built-ins' adapter options set here (unset ones left to their defaults) and the
+        pixel budget: ``envs.env_builder``'s ``options``."""
+        set_ = {k: getattr(self, k) for k in ("max_actions_per_turn", "format_penalty", "answer_format")
+                if getattr(self, k) is not None}
+        return {**set_, "min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """The single-controller loop: steps, validation, checkpoints, trackers."""
 
@@ -497,6 +571,8 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """A multi-turn environment (``conf/env/``); empty name: none."""
     gpu: GpuConfig = field(default_factory=GpuConfig)
     """GPU datasheet numbers (``conf/gpu/``), read only by ``rollplex-plan timeline``."""
     timeline: TimelineConfig = field(default_factory=TimelineConfig)
@@ -508,6 +584,9 @@ class Config:
         ParallelLayout.from_config(self)  # degrees that do not fit the devices fail here, naming the keys
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
+        if self.env.name:
+            raise ValueError(f"env.name={self.env.name!r}: the training step does not run environment rollouts yet "
+                             "(rollout.multiturn.TurnLoop runs them at engine level; docs/envs.md)")
         mini = self.actor.ppo_mini_batch_size
         if mini > 0 and self.data.rollout_batch_size % mini != 0:
             raise ValueError(
