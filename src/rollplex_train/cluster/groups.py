@@ -63,11 +63,9 @@ class StepPrompts:
         over the step's prompts, ``group_index`` global) as DP rank ``dp`` reads them: its prompt
         list by reference, ``group_index`` local to it, ``source_rows`` the rows in ``batch``."""
         rows = batch.rows_of(groups)
-        take = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
-        return TrainBatch(prompts=self.refs[dp], group_index=torch.tensor(self.local(dp, batch.group_index[rows].tolist()),
-                                                                          dtype=torch.long),
-                          response_ids=take(batch.response_ids), response_mask=take(batch.response_mask),
-                          rollout_logprobs=take(batch.rollout_logprobs), source_rows=rows)
+        part = batch.at_rows(rows)
+        return replace(part, prompts=self.refs[dp], source_rows=rows,
+                       group_index=torch.tensor(self.local(dp, part.group_index.tolist()), dtype=torch.long))
 
 
 class TrainGroup:

@@ -10,6 +10,7 @@ state. Weights never travel this way (see ``sharing/``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -266,23 +267,22 @@ class TrainBatch:
     def select_groups(self, prompt_indices: list[int]) -> "TrainBatch":
         """The sub-batch holding the responses of the given prompts (prompt indices renumbered)."""
         remap = {p: i for i, p in enumerate(prompt_indices)}
-        idx = self.rows_of(prompt_indices)
+        part = self.at_rows(self.rows_of(prompt_indices))
+        return dataclasses.replace(part, prompts=[self.prompts[p] for p in prompt_indices],
+                                   group_index=torch.tensor([remap[int(g)] for g in part.group_index.tolist()],
+                                                            dtype=torch.long))
 
-        def take(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t.index_select(0, idx)
+    def at_rows(self, rows: torch.Tensor) -> "TrainBatch":
+        """The responses at ``rows`` ((n,) int64), every per-response tensor taken; the prompts and
+        the prompt indices as they are, no mini-batch plan, no ``source_rows``."""
+        taken = {name: None if getattr(self, name) is None else getattr(self, name).index_select(0, rows)
+                 for name in PER_RESPONSE}
+        return dataclasses.replace(self, mini_batches=None, source_rows=None, **taken)
 
-        return TrainBatch(
-            prompts=[self.prompts[p] for p in prompt_indices],
-            group_index=torch.tensor([remap[int(g)] for g in self.group_index[idx].tolist()], dtype=torch.long),
-            response_ids=take(self.response_ids),
-            response_mask=take(self.response_mask),
-            advantages=take(self.advantages),
-            old_logprobs=take(self.old_logprobs),
-            ref_logprobs=take(self.ref_logprobs),
-            rollout_logprobs=take(self.rollout_logprobs),
-            reward_failed=take(self.reward_failed),
-            old_logprobs_from_actor=self.old_logprobs_from_actor,
-        )
+
+PER_RESPONSE = ("group_index", "response_ids", "response_mask", "advantages", "old_logprobs", "ref_logprobs",
+                "rollout_logprobs", "reward_failed")
+"""The ``TrainBatch`` fields with one row per response."""
 
 
 def gather_rows(parts: list[TrainBatch], values: list[torch.Tensor], num_rows: int,
