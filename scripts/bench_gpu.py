@@ -93,9 +93,10 @@ def make_prompts(ckpt: Path, step: int, num: int, frames: int, side: int):
 def make_config(args, label: str, ckpt: Path, share: str):
     from rollplex_train.config import (ActorConfig, AlgorithmConfig, ClusterConfig, Config, DataConfig,
                                        ModelConfig, RewardConfig, RolloutConfig, ScheduleConfig, TrainerConfig)
+    from rollplex_train.resolve import resolve
 
     name, shared = SCHEDULES[label]
-    return Config(
+    return resolve(Config(
         model=ModelConfig(path=str(ckpt), shared_prefix=shared, compute_dtype=args.compute_dtype),
         data=DataConfig(train_files="<in-process prompts>", val_files="", rollout_batch_size=args.prompts,
                         shuffle=False),
@@ -107,7 +108,7 @@ def make_config(args, label: str, ckpt: Path, share: str):
         cluster=ClusterConfig(device=args.device, executor="inprocess", device_share=share, threads_per_device=1),
         schedule=ScheduleConfig(name=name),
         trainer=TrainerConfig(seed=1, total_steps=args.steps),
-    )
+    ))
 
 
 class UtilSampler:

@@ -28,6 +28,7 @@ from rollplex_train.config import Config
 from rollplex_train.data.dataset import PromptDataset
 from rollplex_train.data.loader import PromptLoader
 from rollplex_train.models.loading import check_checkpoint_dir, load_tokenizer, load_vision_spec
+from rollplex_train.resolve import resolve
 from rollplex_train.tracking.checkpoint import CheckpointManager, load_json, save_json
 from rollplex_train.tracking.loggers import Tracker
 from rollplex_train.tracking.plots import plot_val_accuracy
@@ -48,10 +49,12 @@ class Trainer:
 
     Raises:
         FileNotFoundError / ValueError: a missing checkpoint or data file, a missing column, an
-            empty dataset, or a bad reward function, before any worker is started.
+            empty dataset, a bad reward function, or a setting the chosen engines cannot honour
+            (``resolve.resolve``), before any worker is started.
     """
 
     def __init__(self, cfg: Config, output_dir: Path):
+        cfg = resolve(cfg)  # derived values and what the engines can do, in one logged step
         self.cfg, self.output_dir = cfg, Path(output_dir)
         # Names chosen by config fail here, before Ray and the workers start.
         get_adv_estimator(cfg.algorithm.adv_estimator)
