@@ -16,45 +16,20 @@ Raises SystemExit(1) when the two sampled different tokens (the fused step must 
 
 from __future__ import annotations
 
-import argparse
-import logging
 import statistics
 import sys
 import time
 
 import torch
 
-from rollplex_train.bench.peers import compose_config
-from rollplex_train.cli import conf_dir
-from rollplex_train.data.dataset import PromptDataset
-from rollplex_train.models.loading import load_tokenizer
-from rollplex_train.rollout.base import SamplingParams
-from rollplex_train.rollout.builtin import BuiltinRolloutEngine
+from rollplex_train.bench.decode import decode_bench_args, workload_engine
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", default="bench_short,bench_image,bench_video")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
-    if args.rounds < 1:
-        sys.exit(f"--rounds={args.rounds}: expected at least 1")
-    for workload in args.workloads.split(","):
-        if not (conf_dir() / "experiment" / f"{workload}.yaml").is_file():
-            sys.exit(f"--workloads: no experiment {workload!r} in {conf_dir() / 'experiment'}")
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(args.threads)
+    args = decode_bench_args(__doc__)
     ratios, same = {}, True
     for workload in args.workloads.split(","):
-        cfg = compose_config(workload, [])
-        dataset = PromptDataset(cfg.data, load_tokenizer(cfg.model.path), cfg.data.train_files, "train")
-        prompts = [dataset.get(i) for i in range(cfg.data.rollout_batch_size)]
-        engine = BuiltinRolloutEngine(cfg.model.path, attn_implementation=cfg.model.attn_implementation)
-        if engine.fused_decode_unsupported:
-            sys.exit(f"{workload}: the fused decode step does not apply ({engine.fused_decode_unsupported})")
-        params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature,
-                                max_new_tokens=cfg.rollout.max_new_tokens, ignore_eos=cfg.rollout.ignore_eos, seed=3)
+        engine, prompts, params = workload_engine(workload)
         seconds: dict[str, list[float]] = {"transformers": [], "fused": []}
         outputs = {}
         for _ in range(args.rounds):

@@ -2,8 +2,9 @@
 
     python scripts/compare_actor_weights.py RUN_DIR_A RUN_DIR_B
 
-Each run directory holds ``checkpoints/*/actor.pt`` (a run saves one at its end); the newest of each
-is compared. Prints ``max_abs_diff=<x> tensors=<n>`` and exits 1 if the tensor names differ.
+Each run directory holds ``checkpoints/*/actor.pt`` (the torch backend saves one at the end of a run),
+the newest of which is compared, or else ``hf_actor/model.safetensors`` (the exported actor: the
+Megatron backend's checkpoints are TP shards). Prints ``max_abs_diff=<x> tensors=<n>`` and exits 1 if the tensor names differ.
 """
 
 from __future__ import annotations
@@ -15,11 +16,16 @@ from pathlib import Path
 import torch
 
 
-def newest_actor(run_dir: Path) -> Path:
+def actor_weights(run_dir: Path) -> dict[str, torch.Tensor]:
     found = sorted(run_dir.glob("checkpoints/*/actor.pt"), key=lambda p: p.stat().st_mtime)
-    if not found:
-        sys.exit(f"{run_dir}: no checkpoints/*/actor.pt")
-    return found[-1]
+    if found:
+        return torch.load(found[-1], weights_only=True)
+    exported = run_dir / "hf_actor" / "model.safetensors"
+    if not exported.is_file():
+        sys.exit(f"{run_dir}: no checkpoints/*/actor.pt and no hf_actor/model.safetensors")
+    from safetensors.torch import load_file
+
+    return load_file(str(exported))
 
 
 def main() -> None:
@@ -27,8 +33,7 @@ def main() -> None:
     parser.add_argument("a", type=Path)
     parser.add_argument("b", type=Path)
     args = parser.parse_args()
-    a = torch.load(newest_actor(args.a), weights_only=True)
-    b = torch.load(newest_actor(args.b), weights_only=True)
+    a, b = actor_weights(args.a), actor_weights(args.b)
     if a.keys() != b.keys():
         print(f"tensor names differ: {sorted(set(a) ^ set(b))[:5]}")
         sys.exit(1)

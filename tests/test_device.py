@@ -68,7 +68,7 @@ def test_bf16_compute_keeps_fp32_master_weights_and_optimizer_states(tiny_ckpt_q
     batch.advantages = torch.randn(batch.response_mask.shape, generator=torch.Generator().manual_seed(0))
     bf16.update_actor(batch)
     assert {p.dtype for p in bf16.actor.parameters()} == {torch.float32}
-    states = [s for st in bf16.optimizer.state.values() for s in st.values() if torch.is_tensor(s) and s.dim()]
+    states = [s for st in bf16.backend.optimizer.state.values() for s in st.values() if torch.is_tensor(s) and s.dim()]
     assert states and {s.dtype for s in states} == {torch.float32}
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
+from rollplex_train.config import ActorConfig, AlgorithmConfig, ClusterConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.models.layouts import Dims, build_layout
 from rollplex_train.models.loading import load_model
@@ -51,13 +51,20 @@ def _ppo(engine, batch: TrainBatch, shared_prefix: bool, checkpoint: Path | None
     out["m1"] = engine.update_actor(batch)
     if checkpoint is not None:
         engine.save_checkpoint(checkpoint)
+        # memory.offload_optimizer's round trip: the resumed update below must still repeat m2 exactly
+        adam = lambda: [v for st in engine.backend.optimizer.optimizer.state.values()  # noqa: E731
+                        for v in st.values() if v.dim()]
+        out["adam_bytes"] = sum(v.numel() * v.element_size() for v in adam())
+        out["offloaded"] = engine.offload_states(("optimizer",))
+        out["held_while_offloaded"] = sum(v.numel() * v.element_size() for v in adam())
+        out["prefetched"] = engine.prefetch_states(("optimizer",))
     out["m2"] = engine.update_actor(batch)
-    out["state"] = engine.hf_state() if hasattr(engine, "hf_state") else {
+    out["state"] = engine.backend.hf_state() if hasattr(engine.backend, "hf_state") else {
         n: p.detach().clone() for n, p in engine.actor.named_parameters()}
     if checkpoint is not None:
         engine.load_checkpoint(checkpoint)
         out["m2_resumed"] = engine.update_actor(batch)
-        out["state_resumed"] = engine.hf_state()
+        out["state_resumed"] = engine.backend.hf_state()
     return out
 
 
@@ -73,11 +80,42 @@ def _rank_body(rank: int, world: int, ckpt: str, batch: TrainBatch, out_dir: str
         engine = create_train_engine("megatron", **_configs(ckpt, shared), layout=layout, rank=rank)
         out[f"ppo_shared={shared}"] = _ppo(engine, batch, shared, Path(out_dir) / f"ckpt-{shared}")
     params = {p.untyped_storage().data_ptr() for p in engine.actor.parameters()}
-    sglang = engine.rollout_tensors("sglang", 2)
+    sglang = engine.backend.rollout_tensors("sglang", 2)
     out["sglang"] = {n: t.clone() for n, t in sglang.items()}
     out["sglang_views"] = sorted(n for n, t in sglang.items() if t.untyped_storage().data_ptr() in params)
     out["hf_rollout"] = {n: t.clone() for n, t in engine.rollout_weights().items()}
     out["digest"] = engine.weights_digest()
+    out["share"] = _share(engine, _with(batch, old_logprobs=out["ppo_shared=True"]["old"],
+                                        ref_logprobs=out["ppo_shared=True"]["ref"]))
+    return out
+
+
+def _share(engine, batch: TrainBatch) -> dict:
+    """The in-place hand-over to the SGLang-layout rollout rank at r = 2 on this rank's device, mapped
+    from its IPC payload (in this process: torch maps a storage it already holds to itself), across
+    one update: what is a view, the stale read, the rebuilt tensors before and after the publish."""
+    from rollplex_train.sharing.ipc import import_handles
+    from rollplex_train.versioning import StaleWeightsError
+
+    export = engine.export_shared_weights(rollout_kind="sglang", rollout_tp=2)
+    mapped = import_handles(export["payload"])
+    params = {p.untyped_storage().data_ptr() for p in engine.actor.parameters()}
+    out = {"export": {k: v for k, v in export.items() if k != "payload"},
+           "views": sorted(n for n, t in mapped.tensors.items() if t.untyped_storage().data_ptr() in params),
+           "before": {n: t.clone() for n, t in mapped.tensors.items()}, "state_before": engine.backend.hf_state(),
+           "fresh_rollout_tensors": {n: t.clone() for n, t in engine.backend.rollout_tensors("sglang", 2).items()}}
+    mapped.check(engine.weights_version)
+    engine.update_actor(batch)
+    try:
+        mapped.check(engine.weights_version)
+    except StaleWeightsError as err:
+        out["stale"] = str(err)
+    out["views_after_update"] = {n: mapped.tensors[n].clone() for n in out["views"]}
+    out["published"] = engine.publish_weights(engine.weights_version)
+    mapped.check(engine.weights_version)
+    out["after"] = {n: t.clone() for n, t in mapped.tensors.items()}
+    out["state_after"] = engine.backend.hf_state()
+    mapped.close()
     return out
 
 
@@ -121,6 +159,16 @@ def ranks(request, tiny_ckpt_qwen25, ppo_batch, tmp_path_factory) -> dict:
                     str(tmp_path_factory.mktemp(f"megatron-tp{request.param}")))
     out["tp"] = request.param
     return out
+
+
+def _backend_plan(shapes, dims, t: int, r: int):
+    """The share plan from the Megatron backend's layout (HF vision tower whole, the vocabulary
+    divisor ``build_model`` picks) to SGLang's at ``r``, 4-byte elements."""
+    from rollplex_train.sharing.plan import megatron_vocab_divisor, plan_sharing
+
+    vocab = shapes["model.language_model.embed_tokens.weight"][0]
+    return plan_sharing(shapes, dims, t=t, r=r, itemsize=4,
+                        train_layout=megatron_layout(shapes, dims, t, megatron_vocab_divisor(vocab, t)))
 
 
 # ---- conversion (this process) ---------------------------------------------------------------------
@@ -180,10 +228,13 @@ def test_settings_the_engine_cannot_honour_are_named():
     from rollplex_train.config import Config, MemoryConfig, SharingConfig
     from rollplex_train.training.megatron.engine import MegatronTrainEngine
 
-    with pytest.raises(ValueError, match="sharing.enabled=false"):
-        MegatronTrainEngine.check_available(Config(actor=ActorConfig(backend="megatron")))
+    with pytest.raises(ValueError, match="actor.pipeline_parallel_size=2"):
+        MegatronTrainEngine.check_available(Config(actor=ActorConfig(backend="megatron", pipeline_parallel_size=2),
+                                                   cluster=ClusterConfig(devices_per_node=2)))
+    # sharing and optimizer offload are honoured now
     MegatronTrainEngine.check_available(Config(actor=ActorConfig(backend="megatron"),
-                                               sharing=SharingConfig(enabled=False), memory=MemoryConfig()))
+                                               sharing=SharingConfig(enabled=True),
+                                               memory=MemoryConfig(offload_optimizer=True)))
 
 
 def test_tp_without_layout_is_refused(tiny_ckpt_qwen25):
@@ -244,13 +295,11 @@ def test_rollout_tensors_follow_the_share_plan(ranks, tiny_ckpt_qwen25):
     from rollplex_train.sharing.embedded import tensors_digest
 
     assert ranks["digest"] == tensors_digest(state)  # comparable with the rollout engine's digest
-    from rollplex_train.sharing.plan import plan_sharing
 
     hf = load_model(tiny_ckpt_qwen25)
     shapes = {n: tuple(p.shape) for n, p in hf.named_parameters()}
     dims = Dims.from_hf_config(hf.config)
-    plan = plan_sharing(shapes, dims, t=ranks["tp"], r=2, itemsize=4,
-                        train_layout=megatron_layout(shapes, dims, ranks["tp"], 128))
+    plan = _backend_plan(shapes, dims, ranks["tp"], r=2)
     rollout_rank = plan.devices[0][1]  # the rollout rank on training rank 0's device
     rank0 = build_layout("sglang", 2, shapes, dims).ranks[rollout_rank]
     assert set(ranks["sglang"]) == set(rank0)
@@ -258,8 +307,51 @@ def test_rollout_tensors_follow_the_share_plan(ranks, tiny_ckpt_qwen25):
         assert torch.equal(ranks["sglang"][name], reference_shard(spec, state)), name
     planned = {n for n, tp in plan.tensors[plan.devices[0]].items() if tp.action in ("view", "strided_view")}
     assert set(ranks["sglang_views"]) == planned  # same storage as the parameters exactly where planned
-    if ranks["tp"] == 2:  # at t = r: [gate_i; up_i] is linear_fc1 of rank i
+    if ranks["tp"] == 2:  # at t = r: [gate_i; up_i] is linear_fc1 of rank i, the vocabulary shards line up
         assert "model.language_model.layers.0.mlp.gate_up_proj.weight" in planned
+        assert "model.language_model.embed_tokens.weight" in planned
+
+
+@pytest.mark.slow
+def test_optimizer_offload_round_trip_is_exact(ranks):
+    run = ranks["ppo_shared=True"]
+    assert run["offloaded"] == run["prefetched"] == run["adam_bytes"] > 0  # Adam m and v, every byte
+    assert run["held_while_offloaded"] == 0
+    assert run["m2_resumed"] == run["m2"]  # the update after the round trip = the one from the checkpoint
+
+
+@pytest.mark.slow
+def test_rollout_maps_views_of_the_megatron_shards_and_refuses_stale_reads(ranks, tiny_ckpt_qwen25):
+    from rollplex_train.models.layouts import reference_shard
+
+    share = ranks["share"]
+    hf = load_model(tiny_ckpt_qwen25)
+    shapes = {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    plan = _backend_plan(shapes, Dims.from_hf_config(hf.config), ranks["tp"], r=2)
+    pair = plan.devices[0]
+    plans = plan.tensors[pair]
+    views = {n for n, tp in plans.items() if tp.action in ("view", "strided_view")}
+    export = share["export"]
+    assert (export["rollout_kind"], export["rollout_tp"], export["rollout_rank"]) == ("sglang", 2, pair[1])
+    # the mapped views are the Megatron parameters' storage (data_ptr), exactly where the plan says view
+    assert set(share["views"]) == views and views
+    assert export["view_bytes"] == sum(plans[n].nbytes for n in views)
+    assert export["rebuild_bytes"] == sum(tp.nbytes for n, tp in plans.items() if n not in views) > 0
+    assert export["view_bytes"] + export["rebuild_bytes"] == export["rollout_bytes"]
+    assert export["remote_bytes"] == 0  # t = r or t = 1: nothing crosses devices
+    rollout = plan.rollout.ranks[pair[1]]
+    for name, spec in rollout.items():  # views and rebuilt tensors = the SGLang layout of the weights
+        assert torch.equal(share["before"][name], reference_shard(spec, share["state_before"])), name
+        assert torch.equal(share["before"][name], share["fresh_rollout_tensors"][name]), name
+    # an update in flight is refused; the views see it at once, the rebuilt tensors after the publish
+    assert "being updated" in share["stale"]
+    assert share["published"] == {"sharing/rebuild_bytes": float(export["rebuild_bytes"]), "sharing/remote_bytes": 0.0}
+    for name, spec in rollout.items():
+        expected = reference_shard(spec, share["state_after"])
+        assert not torch.equal(expected, share["before"][name]), name  # the update moved every tensor
+        assert torch.equal(share["after"][name], expected), name
+        if name in views:
+            assert torch.equal(share["views_after_update"][name], expected), name
 
 
 @pytest.mark.slow

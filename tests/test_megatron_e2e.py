@@ -1,6 +1,8 @@
 """The Megatron backend end to end through the CLI (Hydra -> Ray -> worker groups) on two CPU
-devices: 3 steps at TP=2 end with the weights of the torch backend (DP=2 on the same devices), and
-a killed TP=2 run resumes to the uninterrupted run's step 3."""
+devices: 3 steps at TP=2, its weights shared in place with one built-in rollout engine at TP=2
+(SGLang-layout tensors per rollout rank, t=2 -> r=2) and its Adam states offloaded between updates,
+end with the weights of the torch backend (DP=2 on the same devices, rollout TP=1, pickled weight
+sync), and a killed TP=2 run resumes to the uninterrupted run's step 3."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ pytest.importorskip("megatron.core", reason="the megatron extra is not installed
 pytestmark = [pytest.mark.slow, pytest.mark.megatron]
 
 SHORT = ["trainer.total_steps=3", "trainer.save_freq=1", "trainer.val_freq=0", "trainer.val_before_train=false",
-         "data.rollout_batch_size=4", "rollout.n=4", "sharing.enabled=false",
-         "cluster.devices_per_node=2", "cluster.threads_per_device=1"]
-TP = {"torch": [], "megatron": ["actor.tensor_parallel_size=2"]}
+         "data.rollout_batch_size=4", "rollout.n=4", "cluster.devices_per_node=2", "cluster.threads_per_device=1"]
+TP = {"torch": ["sharing.enabled=false"],
+      "megatron": ["actor.tensor_parallel_size=2", "rollout.tensor_parallel_size=2", "sharing.enabled=true",
+                   "memory.offload_optimizer=true"]}
 # planner telemetry and timings differ between runs; training results must not
 TELEMETRY = ("timing_s/", "perf/throughput", "planner/", "rollplex/", "cost/", "prefix/", "sharing/", "memory/")
 
@@ -43,6 +46,12 @@ def test_three_steps_give_the_torch_backends_weights(runs):
                              read_metrics_jsonl(runs["torch"] / "metrics.jsonl")):
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"):
             assert got[key] == pytest.approx(expected[key], rel=1e-3, abs=1e-5), (got["step"], key)
+        # shared in place: the views of the t=2 -> r=2 plan (0.86 on the tiny model), [q;k;v] rebuilt at each sync
+        assert 0.5 < got["sharing/shared_bytes_frac"] < 1 and got["sharing/copied_bytes"] > 0
+        assert expected["sharing/shared_bytes_frac"] == 0
+        # the Adam states left the device for the step's rollout and came back whole (none exist before step 1's update)
+        assert got["memory/offloaded_bytes"] == got["memory/prefetched_bytes"]
+        assert (got["memory/offloaded_bytes"] > 0) == (got["step"] > 1)
 
 
 def test_megatron_resume_after_kill_matches_uninterrupted(runs, run_cli, tmp_path):

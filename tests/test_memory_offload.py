@@ -54,7 +54,7 @@ def _engine(cfg, batch):
 
 def _snapshot(engine):
     params = [p.detach().clone() for p in engine.actor.parameters()]
-    states = [{k: v.clone() for k, v in s.items()} for s in engine.optimizer.state.values()]
+    states = [{k: v.clone() for k, v in s.items()} for s in engine.backend.optimizer.state.values()]
     return params, states
 
 
@@ -63,9 +63,9 @@ def test_offload_prefetch_round_trip_keeps_every_byte(setup):
     plain, moved = _engine(cfg, batch), _engine(cfg, batch)
     for engine in (plain, moved):
         engine.update_actor(batch)
-    offloader = ModuleOffloader(moved.actor, moved.optimizer)
+    offloader = ModuleOffloader(moved.actor, moved.backend.optimizer)
     params_bytes = live_tensor_bytes(moved.actor.parameters())
-    optim_bytes = live_tensor_bytes(v for s in moved.optimizer.state.values() for v in s.values() if v.dim())
+    optim_bytes = live_tensor_bytes(v for s in moved.backend.optimizer.state.values() for v in s.values() if v.dim())
     assert optim_bytes == 2 * params_bytes  # AdamW: exp_avg and exp_avg_sq
     before = _snapshot(moved)
     assert offloader.offload() == params_bytes + optim_bytes  # grads are None between updates
@@ -91,14 +91,14 @@ def test_offload_prefetch_round_trip_keeps_every_byte(setup):
 def test_gradients_round_trip(setup):
     cfg, batch = setup
     engine = _engine(cfg, batch)
-    loss = sum((p.float() ** 2).sum() for p in engine.params)
+    loss = sum((p.float() ** 2).sum() for p in engine.backend.params)
     loss.backward()
-    grads = [p.grad.clone() for p in engine.params]
-    offloader = ModuleOffloader(engine.actor, engine.optimizer)
+    grads = [p.grad.clone() for p in engine.backend.params]
+    offloader = ModuleOffloader(engine.actor, engine.backend.optimizer)
     assert offloader.offload(("grads",)) == live_tensor_bytes(grads)
-    assert all(p.grad is None for p in engine.params) and offloader.device_bytes("grads") == 0
+    assert all(p.grad is None for p in engine.backend.params) and offloader.device_bytes("grads") == 0
     offloader.prefetch(("grads",)).wait()
-    assert all(torch.equal(p.grad, g) for p, g in zip(engine.params, grads))
+    assert all(torch.equal(p.grad, g) for p, g in zip(engine.backend.params, grads))
 
 
 def test_prefix_state_is_freed_after_its_last_consumer(setup):
@@ -133,8 +133,8 @@ def test_measured_peak_of_an_update_is_within_20_percent_of_the_estimate(setup):
     engine = _engine(cfg, batch)
     engine.update_actor(batch)  # Adam states exist from here on
     baseline = live_tensor_bytes([*engine.actor.parameters(), *engine.ref.parameters(),
-                                  *(v for s in engine.optimizer.state.values() for v in s.values())])
-    assert baseline - states == 4 * len(engine.optimizer.state)  # exact, but for AdamW's fp32 step counters
+                                  *(v for s in engine.backend.optimizer.state.values() for v in s.values())])
+    assert baseline - states == 4 * len(engine.backend.optimizer.state)  # exact, but for AdamW's fp32 step counters
     with peak_allocation() as peak:
         engine.update_actor(batch)
     measured = baseline + peak.peak_bytes

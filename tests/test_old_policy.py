@@ -19,7 +19,7 @@ from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
 from rollplex_train.runtime.batching import to_train_batch
 from rollplex_train.runtime.graph import build_step_graph
-from rollplex_train.training import torch_engine
+from rollplex_train.training import ppo_loop
 from rollplex_train.training.torch_engine import TorchTrainEngine
 
 LR = 1e-4
@@ -77,13 +77,13 @@ def test_reuse_trains_todays_weights(tiny_ckpt_qwen25, batch, shared_prefix, act
 
 def test_first_update_ratio_is_exactly_one(tiny_ckpt_qwen25, batch, monkeypatch):
     seen = []
-    real = torch_engine.policy_loss
+    real = ppo_loop.policy_loss
 
     def spy(logp, old, *args, **kwargs):
         seen.append((logp - old).detach())
         return real(logp, old, *args, **kwargs)
 
-    monkeypatch.setattr(torch_engine, "policy_loss", spy)
+    monkeypatch.setattr(ppo_loop, "policy_loss", spy)
     engine = _engine(tiny_ckpt_qwen25, True, ppo_mini_batch_size=2)
     metrics = _train(engine, batch, reuse=True, steps=1)[0]
     first = [d for d in seen[: len(seen) // 2]]  # micro-batches of the first mini-batch (2 of 4 groups)

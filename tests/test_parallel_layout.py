@@ -63,7 +63,8 @@ def test_degrees_a_backend_cannot_run_are_refused():
 
 def test_cli_refuses_what_a_backend_cannot_honour_before_ray(embedded_assets, run_cli, tmp_path):
     """Settings a chosen backend cannot run end in one line (exit 2) before Ray starts."""
-    cases = {"megatron_shared": (["actor.backend=megatron"], "sharing.enabled"),
+    cases = {"megatron_pp2": (["actor.backend=megatron", "actor.pipeline_parallel_size=2",
+                               "cluster.devices_per_node=2"], "actor.pipeline_parallel_size=2"),
              "torch_tp2": (["actor.tensor_parallel_size=2", "cluster.devices_per_node=2"],
                            "actor.tensor_parallel_size=2"),
              "cuda_without_gpu": (["cluster.device=cuda"], "cluster.device=cuda")}

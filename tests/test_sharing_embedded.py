@@ -43,7 +43,7 @@ def test_engines_share_the_actor_in_place(tiny_ckpt_qwen25, mixed_prompts, tmp_p
     # the optimizer updates the shared tensors themselves; the reference keeps storage of its own
     actor = dict(trainer.actor.named_parameters())
     assert all(p.is_shared() for p in actor.values())
-    assert {id(p) for g in trainer.optimizer.param_groups for p in g["params"]} <= {id(p) for p in actor.values()}
+    assert {id(p) for g in trainer.backend.optimizer.param_groups for p in g["params"]} <= {id(p) for p in actor.values()}
     assert not any(p.is_shared() for p in trainer.ref.parameters())
     assert not _storages(trainer.ref) & _storages(trainer.actor)
     # tied embeddings stay one tensor on both sides
@@ -61,7 +61,7 @@ def test_engines_share_the_actor_in_place(tiny_ckpt_qwen25, mixed_prompts, tmp_p
         rollout.sync_shared_weights(1)
     with pytest.raises(StaleWeightsError, match="actor holds version 1"):
         trainer.publish_weights(2)
-    assert trainer.publish_weights(1) == {"sharing/rebuild_bytes": 0.0}
+    assert trainer.publish_weights(1) == {"sharing/rebuild_bytes": 0.0, "sharing/remote_bytes": 0.0}
     with pytest.raises(StaleWeightsError, match="the shared counter holds version 1"):
         rollout.generate(mixed_prompts, PARAMS, weights_version=0)  # engine still at 0: stale
     rollout.sync_shared_weights(1)

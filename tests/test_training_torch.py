@@ -79,7 +79,7 @@ def _capture_grads(engine: TorchTrainEngine) -> list[dict[str, torch.Tensor]]:
         steps.append({names[id(p)]: p.grad.detach().clone() for group in optimizer.param_groups
                       for p in group["params"] if p.grad is not None})
 
-    engine.optimizer.register_step_pre_hook(hook)
+    engine.backend.optimizer.register_step_pre_hook(hook)
     return steps
 
 
@@ -161,7 +161,7 @@ def test_weights_version_and_required_fields(tiny_ckpt_qwen25, rollout_batch):
 def test_freeze_vision_tower(tiny_ckpt_qwen25, rollout_batch):
     engine = make_engine(tiny_ckpt_qwen25, freeze_vision=True, micro_batch_size=6)
     init = _state(engine)
-    trained = {id(p) for p in engine.params}
+    trained = {id(p) for p in engine.backend.params}
     for name, p in engine.actor.named_parameters():
         assert (id(p) in trained) == (not name.startswith("model.visual.")), name
     engine.update_actor(_with_old(engine, rollout_batch))

@@ -171,7 +171,12 @@ class RolloutConfig:
     max_batch_size: int = 256
     """Most sequences decoded together; larger requests are split."""
     tensor_parallel_size: int = 1
-    """TP degree of each rollout engine (SGLang ``tp_size``)."""
+    """TP degree of each rollout engine (SGLang ``tp_size``; the built-in engine runs one process per
+    device over a gloo/NCCL group, ``rollout/tensor_parallel.py``)."""
+    share_prompt_kv: bool = False
+    """Built-in engine: decode a prompt's n samples over one copy of its KV cache instead of n
+    (``rollout/shared_prefix.py``; same tokens on the tests, log-probs rounded differently, so off by
+    default; needs the fused decode step: CPU, float32, SDPA). SGLang's radix cache always keeps one."""
     val_temperature: float = 0.0
     """Validation sampling temperature (0: greedy)."""
     seed: int = 1234

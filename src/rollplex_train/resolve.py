@@ -48,9 +48,13 @@ def resolve(cfg: Config) -> Config:
       states are TP shards, ``schedule.prefix_memory_gib=0``);
     - ``schedule.suffix_chunk_tokens``: 0 where the reference suffix chunks cannot run.
 
+    Before them, each chosen engine's own ``check_config(cfg)`` (where it declares one) refuses the
+    settings only it can judge; whether this machine can run it (an extra, its version) is the
+    engine's ``check_available``, which the trainer asks.
+
     Raises:
         ValueError: a setting the chosen engines cannot honour (TP/PP degrees, a required prefill
-            handover), naming the keys; an unknown engine name.
+            handover, an engine's own refusal), naming the keys; an unknown engine name.
     """
     a, r, sch = cfg.actor, cfg.rollout, cfg.schedule
     rollout, train = _engine_class(ROLLOUT_ENGINES, r.name), _engine_class(TRAIN_ENGINES, a.backend)
@@ -60,7 +64,7 @@ def resolve(cfg: Config) -> Config:
                          "(TP/PP need actor.backend=megatron)")
     if r.tensor_parallel_size > 1 and not _can(rollout, "supports_tensor_parallel"):
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the {r.name} rollout engine "
-                         "runs on one device (TP needs rollout.name=sglang)")
+                         "runs on one device")
     handover = (sch.name == "rollplex" and _can(rollout, "accepts_prefix_states")
                 and _can(train, "exports_prefix_states") and sch.prefix_memory_gib != 0)
     if sch.prefill_from_actor == "true" and not handover:
@@ -70,6 +74,10 @@ def resolve(cfg: Config) -> Config:
                          f"{sch.prefix_memory_gib})")
     chunks = (sch.name == "rollplex" and _can(rollout, "supports_progress") and _can(train, "supports_suffix_chunks")
               and cfg.model.shared_prefix and cfg.algorithm.needs_reference and r.ignore_eos)
+    for engine in (rollout, train):  # what only the engine can judge (SGLang's GPUs, the builtin's TP devices)
+        check = getattr(engine, "check_config", None)
+        if check is not None:
+            check(cfg)
     changes = {}
     if a.lr_scheduler == "cosine" and a.lr_decay_steps == -1:
         mini = a.ppo_mini_batch_size

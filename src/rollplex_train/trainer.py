@@ -60,7 +60,7 @@ class Trainer:
         get_adv_estimator(cfg.algorithm.adv_estimator)
         for engine in (ROLLOUT_ENGINES.get(cfg.rollout.name), TRAIN_ENGINES.get(cfg.actor.backend)):
             check = getattr(engine, "check_available", None)
-            if check is not None:  # an engine from an optional extra (SGLang, Megatron): usable for this run
+            if check is not None:  # an engine from an optional extra (SGLang, Megatron): usable on this machine
                 check(cfg)
         if cfg.cluster.device == "cuda" and cfg.cluster.address is None and torch.cuda.device_count() == 0:
             raise ValueError("cluster.device=cuda: no GPU is visible on this machine "

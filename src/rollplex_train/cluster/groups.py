@@ -162,9 +162,12 @@ class TrainGroup:
 
     # ---- weights ------------------------------------------------------------------------------
     def export_shared_weights(self) -> Pending:
-        """Per rank, the handles of its actor parameters (rank order); in one process the tensors
-        themselves (``sharing.embedded.LocalWeights``)."""
-        return self._all("export_shared_weights", self.ex.kind == "inprocess", combine=list)
+        """Per rank, the handles of the rollout tensors of its device (rank order); in one process
+        the tensors themselves (``sharing.embedded.LocalWeights``). At rollout TP 1 the HF
+        parameters (the built-in engine's names), above it each rollout rank's ``sglang``-layout
+        tensors (the built-in engine at TP > 1 binds them; SGLang runs at TP 1 here)."""
+        kind = ("sglang",) if self.layout.rollout_tp > 1 else ()  # TP 1: the worker's default, hf
+        return self._all("export_shared_weights", self.ex.kind == "inprocess", *kind, combine=list)
 
     def publish_weights(self, version: int) -> Pending:
         return self._all("publish_weights", version, combine=list)
@@ -195,11 +198,27 @@ class RolloutGroup:
     """The rollout engines.
 
     Args:
-        executor, handles: (rollout_dp,) worker per engine. layout: the run's ParallelLayout.
+        executor, handles: (rollout_dp,) worker per engine (a tensor-parallel built-in engine's
+            rank 0). layout: the run's ParallelLayout.
+        followers: per engine, the workers of its ranks 1 .. r-1 (a built-in engine at
+            ``rollout_tp`` > 1, rank k on the engine's k-th device): each gets every call rank 0
+            gets (the same collectives), with its own device's weights; results come from rank 0.
     """
 
-    def __init__(self, executor, handles: list, layout):
+    def __init__(self, executor, handles: list, layout, followers: Optional[list[list]] = None):
         self.ex, self.handles, self.layout = executor, handles, layout
+        self.followers = followers or [[] for _ in handles]
+
+    @property
+    def all_handles(self) -> list:
+        """Every rollout worker (ranks 0 and followers)."""
+        return list(self.handles) + [h for ranks in self.followers for h in ranks]
+
+    def _follow(self, engine: int, method: str, *args, per_rank=None) -> list:
+        """Futures of ``method`` on engine ``engine``'s follower ranks (``per_rank(k)`` gives rank
+        k's arguments when they differ from ``args``)."""
+        return [self.ex.call(h, method, *(per_rank(k) if per_rank else args))
+                for k, h in enumerate(self.followers[engine], start=1)]
 
     def engines_of_dp(self, dp: int) -> list[int]:
         """The rollout engines on the devices of DP rank ``dp``'s replica."""
@@ -226,15 +245,15 @@ class RolloutGroup:
         ``prefixes``: global prompt index -> its KV cache under ``version`` (``PrefixState``), for
         the prompts the engines need not prefill."""
         calls = self.split(step)
-        futures = [self.ex.call(self.handles[e], "generate", step.refs[dp], params, version, step.local(dp, idx),
-                                self._given(prefixes, idx))
-                   for e, dp, idx in calls]
+        args = [(step.refs[dp], params, version, step.local(dp, idx), self._given(prefixes, idx)) for _, dp, idx in calls]
+        futures = [self.ex.call(self.handles[e], "generate", *a) for (e, _, _), a in zip(calls, args)]
+        following = [f for (e, _, _), a in zip(calls, args) for f in self._follow(e, "generate", *a)]
 
         def combine(outs: list[list[Response]]) -> list[Response]:
             merged = [_globalised(r, idx) for (_, _, idx), rs in zip(calls, outs) for r in rs]
             return sorted(merged, key=lambda r: r.prompt_index)  # stable: a group keeps its order
 
-        return Pending(futures, combine)
+        return Pending(futures + following, lambda outs: combine(outs[:len(futures)]))
 
     def generate_stream(self, step: StepPrompts, params, version: Optional[int],
                         prefixes: Optional[dict] = None, progress_every: int = 0) -> "ResponseStream":
@@ -243,16 +262,16 @@ class RolloutGroup:
         every that many steps (``RolloutEngine.generate_stream``)."""
         calls = self.split(step)
         stream = ItemStream(len(calls))
+        following = []
         for e, dp, idx in calls:
-            self.ex.stream(self.handles[e], "generate_stream",
-                           (step.refs[dp], params, version, step.local(dp, idx), self._given(prefixes, idx),
-                            progress_every),
-                           stream, tag=tuple(idx))
-        return ResponseStream(stream)
+            args = (step.refs[dp], params, version, step.local(dp, idx), self._given(prefixes, idx), progress_every)
+            self.ex.stream(self.handles[e], "generate_stream", args, stream, tag=tuple(idx))
+            following += self._follow(e, "follow_stream", *args)
+        return ResponseStream(stream, following)
 
     def set_threads(self, threads: int) -> Pending:
         """A share change that reaches engines while they decode (applied at their next step)."""
-        return Pending([self.ex.call(h, "set_threads", threads, concurrent=True) for h in self.handles])
+        return Pending([self.ex.call(h, "set_threads", threads, concurrent=True) for h in self.all_handles])
 
     def decode_stats(self) -> dict[int, tuple[float, int]]:
         """The slowest engine's ``{threads: (seconds, steps)}`` of the last generate (the decode
@@ -260,22 +279,26 @@ class RolloutGroup:
         stats = Pending([self.ex.call(h, "decode_stats") for h in self.handles]).result()
         return max(stats, key=lambda s: sum(sec for sec, _ in s.values()), default={})
 
+    def _on_devices(self, method: str, args_of) -> list:
+        """``method(*args_of(d))`` on every rollout worker, ``d`` its device; the results of the
+        engines' rank 0, in engine order."""
+        devices = self.layout.rollout_devices
+        futures = [self.ex.call(h, method, *args_of(devices(e)[0])) for e, h in enumerate(self.handles)]
+        following = [f for e in range(len(self.handles))
+                     for f in self._follow(e, method, per_rank=lambda k, e=e: args_of(devices(e)[k]))]
+        return Pending(futures + following).result()[:len(futures)]
+
     def map_shared_weights(self, payloads: list[bytes]) -> list[int]:
-        """Engine ``e`` maps the weights of the train rank on its first device."""
-        futures = [self.ex.call(h, "map_shared_weights", payloads[self.layout.rollout_devices(e)[0]])
-                   for e, h in enumerate(self.handles)]
-        return Pending(futures).result()
+        """Each rollout worker maps the weights of the train rank on its device (rank 0 of engine
+        ``e``: its first device); the bytes each engine's rank 0 mapped."""
+        return self._on_devices("map_shared_weights", lambda d: (payloads[d],))
 
     def sync_shared_weights(self, version: int, published: list[dict]) -> dict[str, float]:
-        futures = [self.ex.call(h, "sync_shared_weights", version, published[self.layout.rollout_devices(e)[0]])
-                   for e, h in enumerate(self.handles)]
-        return Pending(futures).result()[0]
+        return self._on_devices("sync_shared_weights", lambda d: (version, published[d]))[0]
 
     def update_weights(self, state_dicts: list[dict], version: int) -> dict[str, float]:
-        """The pickled path: engine ``e`` copies the state dict of its first device's rank."""
-        futures = [self.ex.call(h, "update_weights", state_dicts[self.layout.rollout_devices(e)[0]], version)
-                   for e, h in enumerate(self.handles)]
-        return Pending(futures).result()[0]
+        """The pickled path: each rollout worker copies the state dict of its device's train rank."""
+        return self._on_devices("update_weights", lambda d: (state_dicts[d], version))[0]
 
     def weights_digest(self) -> dict[str, str]:
         return self.ex.call(self.handles[0], "weights_digest").result()
@@ -290,15 +313,22 @@ class ResponseStream:
     """Responses of whole groups as they finish, with global prompt indices, and the engines'
     ``DecodeProgress`` reports (kept apart: :meth:`take_progress`)."""
 
-    def __init__(self, items: ItemStream):
+    def __init__(self, items: ItemStream, following: Optional[list] = None):
         self.items = items
         self.progress: list[DecodeProgress] = []
+        self.following = following or []  # futures of the follower ranks' follow_stream (failures raised)
+
+    def _check_followers(self) -> None:
+        for f in self.following:
+            if f.done() and f.exception() is not None:
+                raise f.exception()
 
     def next_future(self):
         return self.items.next_future()
 
     def take(self) -> list[Response]:
         """The responses that arrived since the last call (possibly none)."""
+        self._check_followers()
         out = []
         for idx, batch in self.items.take():
             for r in batch:

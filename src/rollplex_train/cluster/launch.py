@@ -46,7 +46,18 @@ class Workers:
 
     def shutdown(self) -> None:
         """Stop the workers and free their placement (the in-process threads are joined)."""
-        self.executor.shutdown(self.rollout.handles + self.train.handles)
+        self.executor.shutdown(self.rollout.all_handles + self.train.handles)
+
+
+def _tp_rendezvous(executor, device: int) -> tuple[str, int]:
+    """(host, port) where the ranks of a rollout engine whose first device is ``device`` meet."""
+    from rollplex_train.cluster.executors import free_port_and_ip
+
+    if executor.kind == "inprocess":
+        return free_port_and_ip()
+    import ray
+
+    return ray.get(ray.remote(free_port_and_ip).options(**executor.placement.actor_options(device, 0)).remote())
 
 
 def check_sweep_job() -> None:
@@ -110,15 +121,24 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
                                           threads, authkey, layout, rank, address, cfg.cluster.device_share),
                            rank, gpu)
              for rank in range(layout.world_size)]
-    # concurrency 2: a share change (set_threads) reaches the rollout worker while it decodes
-    rollout = [executor.spawn(RolloutWorker, (cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size,
-                                              authkey, layout, layout.rollout_devices(e)[0], cfg.cluster.device_share),
-                              layout.rollout_devices(e)[0], gpu, concurrency=2)
-               for e in range(layout.rollout_dp)]
-    workers = Workers(rollout=RolloutGroup(executor, rollout, layout), train=TrainGroup(executor, train, layout),
-                      layout=layout, threads=threads, executor=executor)
+    # concurrency 2: a share change (set_threads) reaches the rollout worker while it decodes. The
+    # built-in engine runs one worker per device of its TP group (rank k on the engine's k-th device),
+    # SGLang one per engine (it starts its TP processes itself).
+    ranks = layout.rollout_tp if cfg.rollout.name == "builtin" else 1
+    rollout = []
+    for e in range(layout.rollout_dp):
+        devices = layout.rollout_devices(e)
+        tp_address = _tp_rendezvous(executor, devices[0]) if ranks > 1 else None
+        rollout.append([executor.spawn(RolloutWorker, (cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size,
+                                                       authkey, layout, devices[k], cfg.cluster.device_share,
+                                                       cfg.rollout.share_prompt_kv, k, tp_address),
+                                       devices[k], gpu, concurrency=2)
+                        for k in range(ranks)])
+    workers = Workers(rollout=RolloutGroup(executor, [r[0] for r in rollout], layout, [r[1:] for r in rollout]),
+                      train=TrainGroup(executor, train, layout), layout=layout, threads=threads, executor=executor)
     from rollplex_train.runtime.protocol import Pending
 
-    Pending([executor.call(h, "weights_version") for h in train + rollout]).result()  # every engine built
+    every = train + [h for engine in rollout for h in engine]
+    Pending([executor.call(h, "weights_version") for h in every]).result()  # every engine built
     log.info("workers up: %s (%s executor)", layout.describe(), executor.kind)
     return workers

@@ -156,17 +156,30 @@ class RolloutWorker:
         layout: the run's ParallelLayout (None: the model stays on CPU). device_index: the engine's
             first run device (its GPU is ``cuda:<local index>``, or the actor's only visible one).
         device_share: ``cluster.device_share`` (decode on a stream of its own with streams/green).
+        share_prompt_kv: ``rollout.share_prompt_kv`` (built-in engine).
+        tp_rank, tp_address: built-in engine over ``layout.rollout_tp`` > 1 devices: this worker's
+            rank of the engine's group and the group's rendezvous (host, port) (one worker per
+            rank, every rank given the same calls; ``rollout/tensor_parallel.py``).
     """
 
     def __init__(self, engine: str, model: ModelConfig, threads: int, max_batch_size: int,
-                 authkey: Optional[bytes] = None, layout=None, device_index: int = 0, device_share: str = "cores"):
+                 authkey: Optional[bytes] = None, layout=None, device_index: int = 0, device_share: str = "cores",
+                 share_prompt_kv: bool = False, tp_rank: int = 0, tp_address: Optional[tuple[str, int]] = None):
         _setup_process(threads, authkey)
         self.compute = ComputeThread("rollout-compute")  # the engine's tensors are touched on it only
         placement = {}
         if engine == "builtin":  # decodes in this process (SGLang places its own scheduler processes)
             device = layout_device(layout, device_index)
             placement = dict(device=device, compute_dtype=model.compute_dtype, device_share=device_share,
-                             decode_sms=half_sms(device, device_share, "decode"))
+                             decode_sms=half_sms(device, device_share, "decode"), share_prompt_kv=share_prompt_kv)
+            size = 1 if layout is None else layout.rollout_tp
+            if size > 1:  # the group meets at the first decode (in one process the ranks are built in turn)
+                from functools import partial
+
+                from rollplex_train.rollout.tensor_parallel import TPGroup, new_process_group
+
+                placement["tp"] = TPGroup(tp_rank, size, connect=partial(
+                    new_process_group, tp_rank, size, tp_address, layout.device))
         self.engine = self.compute.run(
             create_rollout_engine, engine, model_path=model.path, dtype=model.dtype,
             attn_implementation=model.attn_implementation, max_batch_size=max_batch_size, **placement,
@@ -215,6 +228,15 @@ class RolloutWorker:
     def decode_stats(self) -> dict[int, tuple[float, int]]:
         return self.engine.decode_stats()
 
+    def follow_stream(self, prompts: list[PromptSample], params: SamplingParams,
+                      weights_version: Optional[int] = None, indices: Optional[list[int]] = None,
+                      prefixes: Optional[list] = None, progress_every: int = 0) -> None:
+        """A tensor-parallel rank other than 0: the same ``generate_stream`` (the same collectives),
+        its items dropped (rank 0 returns them)."""
+        prompts = resolve(prompts, indices)
+        self.compute.run(lambda: [None for _ in self.engine.generate_stream(prompts, params, weights_version,
+                                                                             prefixes, progress_every)])
+
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
                         weights_version: Optional[int] = None, indices: Optional[list[int]] = None,
                         prefixes: Optional[list] = None, progress_every: int = 0):
@@ -262,8 +284,8 @@ class TrainWorker:
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()
 
-    def export_shared_weights(self, same_process: bool = False) -> WeightsExport:
-        out = self.engine.export_shared_weights(same_process)
+    def export_shared_weights(self, same_process: bool = False, rollout_kind: str = "hf") -> WeightsExport:
+        out = self.engine.export_shared_weights(same_process, rollout_kind=rollout_kind)
         return WeightsExport(out["payload"], out["view_bytes"], out["rebuild_bytes"], out["rollout_bytes"])
 
     def publish_weights(self, version: int) -> dict[str, float]:

@@ -17,9 +17,9 @@ temperature)`` before truncation, the distribution the actor recomputes.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import torch
@@ -32,54 +32,12 @@ from rollplex_train.device import compute_context, model_device
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, register_rollout_engine
 from rollplex_train.versioning import StaleWeightsError, check_newer, check_version
 from rollplex_train.rollout.decoder import FusedDecoder
-from rollplex_train.rollout.kv_cache import PreallocatedCache
+from rollplex_train.rollout.sampling import draw, filter_logits, sequence_generator  # noqa: F401 (re-exported)
+from rollplex_train.rollout.kv_cache import PreallocatedCache, cache_nbytes
+from rollplex_train.rollout.shared_prefix import SharedPromptCache
+from rollplex_train.rollout.tensor_parallel import RankWeights, TPGroup, shard_prefix_kv
 
 log = logging.getLogger(__name__)
-
-
-def sequence_generator(seed: int, uid: str, index: int) -> torch.Generator:
-    """The sampling generator of response ``index`` of prompt ``uid`` under request ``seed``: seeded
-    by a stable hash (BLAKE2b, not Python's salted ``hash``), the same in every process."""
-    digest = hashlib.blake2b(f"{seed}:{uid}:{index}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-
-
-def draw(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
-    """Sample one token per row by inverse CDF, row ``i`` with its own generator ``gens[i]``.
-
-    Args:
-        probs: (B, V) float32 probabilities (rows sum to 1 up to rounding; zeros never drawn).
-        gens: B generators.
-
-    Returns:
-        (B,) int64 token ids.
-    """
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(probs.device, probs.dtype)
-    cdf = probs.cumsum(-1)
-    u = u * cdf[:, -1]  # inside [0, total) whatever the rounding of the sum
-    return torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits outside top-k / the top-p nucleus with -inf.
-
-    Args:
-        logits: (B, V) float32 (already divided by the temperature).
-        top_k: keep the k largest (-1: off). top_p: keep the smallest set with mass >= top_p.
-
-    Returns:
-        (B, V) float32 with removed entries at -inf (the most likely token always survives).
-    """
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        remove_sorted = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already >= p
-        remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
-        logits = logits.masked_fill(remove, float("-inf"))
-    return logits
 
 
 @register_rollout_engine("builtin")
@@ -95,14 +53,30 @@ class BuiltinRolloutEngine(RolloutEngine):
         device_share: ``cluster.device_share``; with ``streams``/``green`` on a GPU the decode work
             runs on a CUDA stream of its own (``device_share.py``), entered on the first decode.
         decode_sms: SMs of the decode side's green context (``green`` only).
+        tp: this process's rank of the engine's tensor-parallel group (``rollout/tensor_parallel.py``;
+            None: one device). At r > 1 the rank keeps only its tensors of the ``sglang`` layout,
+            cut from the checkpoint; every rank of the group must get the same calls.
+        share_prompt_kv: decode the n samples of a prompt over one copy of its KV cache
+            (``rollout/shared_prefix.py``; needs the fused decode step).
 
     Sampling generators stay on CPU on every device, so a sequence's draws do not depend on it.
+
+    Raises:
+        ValueError: ``share_prompt_kv`` where the fused decode step does not run; a TP degree the
+            model's heads or widths do not divide.
     """
 
     def __init__(self, model_path: str, dtype: str = "float32", attn_implementation: str = "sdpa",
                  max_batch_size: int = 256, device=None, compute_dtype: str = "float32",
-                 device_share: str = "cores", decode_sms: Optional[int] = None):
+                 device_share: str = "cores", decode_sms: Optional[int] = None, tp: Optional[TPGroup] = None,
+                 share_prompt_kv: bool = False):
         self.model = load_model(model_path, dtype, attn_implementation)
+        self.tp = tp if tp is not None else TPGroup()
+        self.rank_weights = RankWeights(self.model, self.tp)  # bound once the model runs on rank tensors
+        if self.tp.size > 1:  # this rank's tensors cut from the checkpoint, the full model dropped
+            nbytes = self.rank_weights.bind_copy_of(dict(self.model.named_parameters()), device)
+            log.info("rollout TP rank %d of %d: %.1f MB of sglang-layout tensors", self.tp.rank, self.tp.size,
+                     nbytes / 1e6)
         if device is not None:
             self.model.to(device)
         self.device = model_device(self.model)
@@ -125,7 +99,12 @@ class BuiltinRolloutEngine(RolloutEngine):
         self._shared = None  # sharing.ipc.SharedWeights once map_shared_weights ran
         self.fused_decode_unsupported = FusedDecoder.unsupported(self.model, self.device, compute_dtype)
         if self.fused_decode_unsupported:
+            if share_prompt_kv:
+                raise ValueError(f"rollout.share_prompt_kv=true needs the fused decode step, which does not run "
+                                 f"here: {self.fused_decode_unsupported}")
             log.info("decode steps run transformers' forward (%s)", self.fused_decode_unsupported)
+        self.share_prompt_kv = share_prompt_kv
+        self.kv_cache_bytes = 0  # bytes of the decode KV cache of the last request's largest chunk
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
@@ -141,6 +120,30 @@ class BuiltinRolloutEngine(RolloutEngine):
 
     supports_progress = True
     accepts_prefix_states = True  # decodes from the actor's prefix KV caches (_prefill)
+    supports_tensor_parallel = True  # rank k of an engine on its k-th device (rollout/tensor_parallel.py)
+
+    @staticmethod
+    def check_config(cfg) -> None:
+        """The settings of a run ``Config`` this engine cannot honour (asked by ``resolve.resolve``
+        before Ray starts).
+
+        Raises:
+            ValueError: at ``rollout.tensor_parallel_size > 1``, ``sharing.split_qkv`` or
+                ``split_gate_up`` (the TP ranks run SGLang's fused ``qkv_proj``/``gate_up_proj``), or
+                engine devices that do not lie in one training replica.
+        """
+        a, r = cfg.actor, cfg.rollout
+        if r.tensor_parallel_size == 1:
+            return
+        if cfg.sharing.split_qkv or cfg.sharing.split_gate_up:
+            raise ValueError("sharing.split_qkv/split_gate_up: the builtin rollout engine at "
+                             f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs SGLang's fused "
+                             "qkv_proj and gate_up_proj (set both false)")
+        replica = a.tensor_parallel_size * a.pipeline_parallel_size
+        if replica % r.tensor_parallel_size:  # its ranks then take the same calls in the same order
+            raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the builtin engine's devices must "
+                             f"lie in one training replica (actor.tensor_parallel_size x pipeline_parallel_size = "
+                             f"{replica}), so that it decodes one DP rank's prompts per call")
 
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
                         weights_version: Optional[int] = None, prefixes: Optional[list] = None,
@@ -154,6 +157,7 @@ class BuiltinRolloutEngine(RolloutEngine):
         if progress_every and not params.ignore_eos:
             raise ValueError(f"progress_every={progress_every} needs ignore_eos (responses of one length)")
         self._decode_stats = {}
+        self.kv_cache_bytes = 0
         per_chunk = max(1, self.max_batch_size // params.n)
         for start in range(0, len(prompts), per_chunk):
             chunk = prompts[start : start + per_chunk]
@@ -167,11 +171,29 @@ class BuiltinRolloutEngine(RolloutEngine):
             self._shared.check(self.weights_version)
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Copy new weights in: the full HF state dict, or this rank's ``sglang``-layout tensors
+        (``RankLayout``; any TP degree, r = 1 included). Checked before anything is copied.
+
+        Raises:
+            RuntimeError: the engine runs on the trainer's shared tensors. StaleWeightsError: an old
+                ``version``. ValueError: names or shapes that match neither.
+        """
         if self._shared is not None:
             raise RuntimeError("the weights are the trainer's shared tensors: use sync_shared_weights, "
                                "update_weights would write into the trainer's memory")
         check_newer(version, self.weights_version, "update_weights")
         named_tensors = dict(named_tensors)  # a state dict or an iterator of (name, tensor)
+        rank = self.rank_weights
+        if rank.tensors is not None:
+            rank.load(named_tensors)
+        elif rank.matches(named_tensors):  # the first rank-layout update at r = 1: bind a copy
+            rank.layout.check(named_tensors, next(iter(self.model.parameters())).dtype)
+            rank.bind_copy_of(named_tensors, self.device)
+        else:
+            self._load_hf_state(named_tensors)
+        self.weights_version = version
+
+    def _load_hf_state(self, named_tensors: dict[str, torch.Tensor]) -> None:
         current = self.model.state_dict()
         tied = {k for k in current if k.endswith("lm_head.weight")} if self.model.config.tie_word_embeddings else set()
         missing = sorted(set(current) - set(named_tensors) - tied)
@@ -181,18 +203,30 @@ class BuiltinRolloutEngine(RolloutEngine):
             raise ValueError(f"weight update does not match the model: missing={missing} "
                              f"unexpected={unexpected} wrong_shape={wrong_shape}")
         self.model.load_state_dict(named_tensors, strict=False)
-        self.weights_version = version
 
     def map_shared_weights(self, payload) -> int:
-        """Point the model at the trainer's tensors: ``payload`` is an IPC handle payload (bytes) from
-        another process or a ``LocalWeights`` in this one (its tensors taken as they are)."""
+        """Point the model at the trainer's tensors, in place (no copy): ``payload`` is an IPC handle
+        payload (bytes) from another process or a ``LocalWeights`` in this one (its tensors taken as
+        they are). The tensors are the HF parameters (r = 1) or this rank's ``sglang``-layout
+        tensors (``RankLayout``: any r, the per-rank dict of ``rollout_tensors("sglang", r)``).
+
+        Returns:
+            the bytes of the mapped tensors.
+
+        Raises:
+            RuntimeError: already mapped. ValueError: the tensors match neither set.
+            StaleWeightsError: the trainer is writing them.
+        """
         from rollplex_train.sharing.embedded import LocalWeights, map_parameters
         from rollplex_train.sharing.ipc import import_handles
 
         if self._shared is not None:
             raise RuntimeError("shared weights are already mapped")
         shared = payload if isinstance(payload, LocalWeights) else import_handles(payload)
-        nbytes = map_parameters(self.model, shared.tensors)  # this engine's loaded copy is freed
+        if self.tp.size > 1 or self.rank_weights.matches(shared.tensors):
+            nbytes = self.rank_weights.bind(shared.tensors)  # this engine's own copy is freed
+        else:
+            nbytes = map_parameters(self.model, shared.tensors)
         self._shared = shared
         self.weights_version = shared.version.read()
         shared.check(self.weights_version)  # not mid-update
@@ -205,9 +239,11 @@ class BuiltinRolloutEngine(RolloutEngine):
         self.weights_version = version
 
     def weights_digest(self) -> dict[str, str]:
-        from rollplex_train.sharing.embedded import weights_digest
+        """sha256 per HF parameter, or per rank tensor once the model runs on rank tensors."""
+        from rollplex_train.sharing.embedded import tensors_digest, weights_digest
 
-        return weights_digest(self.model)
+        bound = self.rank_weights.tensors
+        return weights_digest(self.model) if bound is None else tensors_digest(bound)
 
     MEMORY_TAGS = ("kv_cache", "weights")
 
@@ -258,6 +294,10 @@ class BuiltinRolloutEngine(RolloutEngine):
                 raise StaleWeightsError(f"prefix of {given.uid!r} handed in for prompt {prompt.uid!r}")
             else:
                 check_version(given.version, self.weights_version, f"prefix of {given.uid!r}", "engine")
+                if self.tp.size > 1:  # a whole-model cache (the actor's): this rank's KV heads
+                    heads = self.rank_weights.layout.kv_heads(self.model.config.get_text_config().num_key_value_heads)
+                    given = replace(given, keys=shard_prefix_kv(given.keys, heads),
+                                    values=shard_prefix_kv(given.values, heads))
             states.append(given)
         return states
 
@@ -281,11 +321,15 @@ class BuiltinRolloutEngine(RolloutEngine):
         states = self._prefill(prompts, prefixes)
         _, mask = pad_prompts(prompts, self.pad_id, side="left")
         mask = mask.to(dev)
-        cache = PreallocatedCache.left_padded([s.keys for s in states], [s.values for s in states],
-                                              capacity=mask.shape[1] + params.max_new_tokens)
+        keys, values = [s.keys for s in states], [s.values for s in states]
+        if self.share_prompt_kv:  # one copy of a prompt's KV for its n samples
+            cache = SharedPromptCache(keys, values, mask, n, capacity=params.max_new_tokens)
+        else:  # the prompt's KV repeated n times
+            cache = PreallocatedCache.left_padded(keys, values, capacity=mask.shape[1] + params.max_new_tokens)
+            cache.batch_repeat_interleave(n)
+        self.kv_cache_bytes = max(self.kv_cache_bytes, cache_nbytes(cache))
         last_hidden = torch.stack([s.last_hidden for s in states])  # (P, H)
         deltas = torch.tensor([[s.next_position - s.prompt_length] for s in states], device=dev)
-        cache.batch_repeat_interleave(n)
         last_hidden = last_hidden.repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
         deltas = deltas.repeat_interleave(n, dim=0)

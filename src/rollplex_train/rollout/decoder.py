@@ -18,6 +18,12 @@ them, padded and unpadded, on the tiny checkpoint), and so are the sampled token
 Only where it is exactly that forward: a Qwen2.5-VL text decoder (``Qwen2_5_VLTextModel``), SDPA
 attention, no sliding-window layers, float32 compute on CPU. Elsewhere ``FusedDecoder.unsupported``
 names the reason and the engine keeps transformers' forward.
+
+On a rank of a tensor-parallel engine (``rollout/tensor_parallel.py``) the same step runs over the
+rank's heads: q/k/v and gate/up come fused as the rank holds them (no concatenated copy) and the
+o/down partial products are summed over the group. With a ``SharedPromptCache``
+(``rollout.share_prompt_kv``) attention reads each group's one prompt copy
+(``rollout/shared_prefix.py``; not bitwise SDPA, see there).
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rollplex_train.rollout.shared_prefix import SharedPromptCache
+
 
 def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """``Qwen2_5_VLRMSNorm.forward``: x * rsqrt(mean(x^2) + eps) in float32, times the weight."""
@@ -34,6 +42,12 @@ def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     variance = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(variance + norm.variance_epsilon)
     return norm.weight * x.to(hidden.dtype)
+
+
+def _row_parallel_group(linear: torch.nn.Module):
+    """The TP group whose ranks' partial products a row-parallel linear sums (None: a plain linear)."""
+    tp = getattr(linear, "tp", None)
+    return tp if tp is not None and tp.size > 1 else None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -57,12 +71,16 @@ class FusedDecoder:
         self.layers = []
         for layer in self.text.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append((
-                layer, attn,
+            # a tensor-parallel rank (rollout/tensor_parallel.py) holds them fused already: no copy
+            w_qkv, b_qkv = getattr(attn, "fused_qkv", None) or (
                 torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach(),
-                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach(),
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0],
+                torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]).detach())
+            w_gate_up = getattr(mlp, "fused_gate_up", None)
+            if w_gate_up is None:
+                w_gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+            self.layers.append((
+                layer, attn, w_qkv, b_qkv, w_gate_up, attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0],
+                _row_parallel_group(attn.o_proj), _row_parallel_group(mlp.down_proj),
             ))
 
     @staticmethod
@@ -90,7 +108,8 @@ class FusedDecoder:
             token_ids: (B,) int64, the tokens sampled last.
             attention_mask: (B, T) int64, 1 for real positions, T = cached tokens + 1 (left padding).
             position_ids: (3, B, 1) int64 M-RoPE positions of the new tokens.
-            cache: the transformers ``Cache`` of the B sequences (``rollout/kv_cache.py``).
+            cache: the transformers ``Cache`` of the B sequences (``rollout/kv_cache.py``), or a
+                ``SharedPromptCache`` (then ``attention_mask`` is not read: the cache masks its prompts).
 
         Returns:
             (B, H) float32.
@@ -99,8 +118,9 @@ class FusedDecoder:
         cos, sin = self.text.rotary_emb(hidden, position_ids)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         batch = hidden.shape[0]
-        mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
-        for index, (layer, attn, w_qkv, b_qkv, w_gate_up, n_q, n_k) in enumerate(self.layers):
+        shared = isinstance(cache, SharedPromptCache)
+        mask = None if shared or bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        for index, (layer, attn, w_qkv, b_qkv, w_gate_up, n_q, n_k, o_tp, down_tp) in enumerate(self.layers):
             residual = hidden
             x = _rms_norm(layer.input_layernorm, hidden)
             qkv = F.linear(x, w_qkv, b_qkv)
@@ -111,7 +131,9 @@ class FusedDecoder:
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             k, v = cache.update(k, v, index)
-            if mask is None:
+            if shared:  # the group's one prompt copy + this sequence's response (rollout/shared_prefix.py)
+                out = cache.attend(index, q, attn.scaling).transpose(1, 2)
+            elif mask is None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=attn.scaling,
                                                      is_causal=False, enable_gqa=True).transpose(1, 2)
             else:  # one query token: its heads packed per key/value head (transformers' pack_gqa)
@@ -119,11 +141,12 @@ class FusedDecoder:
                 packed = q.reshape(batch, q.shape[1] // groups, groups, d)
                 out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, dropout_p=0.0,
                                                      scale=attn.scaling, is_causal=False)
-            hidden = residual + F.linear(out.reshape(batch, 1, -1).contiguous(), attn.o_proj.weight)
+            o = F.linear(out.reshape(batch, 1, -1).contiguous(), attn.o_proj.weight)
+            hidden = residual + (o if o_tp is None else o_tp.all_reduce_(o))
             residual = hidden
             x = _rms_norm(layer.post_attention_layernorm, hidden)
             gate_up = F.linear(x, w_gate_up)
             half = gate_up.shape[-1] // 2
-            hidden = residual + F.linear(F.silu(gate_up[..., :half]) * gate_up[..., half:],
-                                         layer.mlp.down_proj.weight)
+            down = F.linear(F.silu(gate_up[..., :half]) * gate_up[..., half:], layer.mlp.down_proj.weight)
+            hidden = residual + (down if down_tp is None else down_tp.all_reduce_(down))
         return _rms_norm(self.text.norm, hidden)[:, -1]

@@ -89,6 +89,12 @@ class PreallocatedCache(Cache):
     def __init__(self, num_layers: int, capacity: int):
         super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key/value buffers of all layers (allocated capacity, not only the filled part)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in (layer._k, layer._v)
+                   if t is not None)
+
     @classmethod
     def left_padded(cls, keys: list[list[torch.Tensor]], values: list[list[torch.Tensor]], capacity: int
                     ) -> "PreallocatedCache":
@@ -119,3 +125,13 @@ class PreallocatedCache(Cache):
             layer.device, layer.length, layer.is_initialized = keys[0][index].device, width, True
             layer._views()
         return cache
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of a decode cache's key/value tensors: ``cache.nbytes`` where it has one (this module's,
+    ``rollout/shared_prefix.py``'s), else the ``keys``/``values`` of a transformers cache's layers."""
+    nbytes = getattr(cache, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes)
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values)
+               if t is not None)

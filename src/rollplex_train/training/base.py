@@ -1,66 +1,17 @@
-"""The training-engine protocol (actor + frozen reference in one worker) and its registry."""
+"""The training-engine interface the workers call (actor + frozen reference in one worker) and its
+registry. Its one implementation is the PPO loop (``training/ppo_loop.py``) over a model backend
+(``training/backend.py``): ``torch`` or ``megatron``."""
 
 from __future__ import annotations
 
 import abc
 from pathlib import Path
-from typing import Callable, Optional, Protocol, Union
+from typing import Callable, Optional
 
 import torch
 
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.registry import Registry
-
-
-class PrefixStateLike(Protocol):
-    """What the engines' ``PrefixStore`` needs of a backend's prefix state (the torch backend's is
-    ``models.prefix.PrefixState``: per-layer KV of the prompt, last hidden state, next M-RoPE
-    position, and the autograd graph when made for the actor)."""
-
-    uid: str
-    version: Union[int, str]
-    graph_id: Optional[int]
-
-    @property
-    def nbytes(self) -> int: ...
-
-
-class PrefixPasses(Protocol):
-    """The prefix/suffix decomposition of one training backend.
-
-    ``encode`` runs P prompts (and their images/videos) once and returns one state per prompt;
-    ``score`` runs only the response tokens of N responses against their prompt's state and
-    returns ((N, R) float32 log-probs, (N, R) float32 entropy or None). Both must equal the
-    full-sequence pass (log-probs to 1e-5, gradients through ``score`` into the prefix graph to
-    1e-4 relative). The torch backend's are ``models.prefix.encode_prefix``/``score_suffix``
-    (a transformers KV cache); a Megatron backend provides its own (its attention's KV or a
-    shared-prefix mask).
-    """
-
-    def encode(self, model, prompts: list, *, version: Union[int, str], with_grad: bool,
-               freeze_vision: bool) -> list[PrefixStateLike]: ...
-
-    def score(self, model, states: list[PrefixStateLike], group_index: torch.Tensor, response_ids: torch.Tensor,
-              response_mask: torch.Tensor, *, temperature: float,
-              with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]: ...
-
-
-class PrefixFunctions:
-    """A :class:`PrefixPasses` made of a backend's two module functions ``encode_prefix(model,
-    prompts, *, version, with_grad, freeze_vision)`` and ``score_suffix(model, states, group_index,
-    response_ids, response_mask, *, temperature, with_entropy)`` (the torch backend's
-    ``models.prefix``, the Megatron backend's ``training.megatron.scoring``)."""
-
-    def __init__(self, encode_prefix: Callable, score_suffix: Callable):
-        self._encode, self._score = encode_prefix, score_suffix
-
-    def encode(self, model, prompts, *, version, with_grad: bool, freeze_vision: bool):
-        return self._encode(model, prompts, version=version, with_grad=with_grad, freeze_vision=freeze_vision)
-
-    def score(self, model, states, group_index, response_ids, response_mask, *, temperature: float,
-              with_entropy: bool):
-        return self._score(model, states, group_index, response_ids, response_mask, temperature=temperature,
-                           with_entropy=with_entropy)
 
 
 class TrainEngine(abc.ABC):
@@ -127,10 +78,13 @@ class TrainEngine(abc.ABC):
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """The actor weights under the rollout engine's parameter names."""
 
-    def export_shared_weights(self) -> dict:
-        """Share the actor's weights with one rollout process (``sharing.enabled``): returns
-        ``payload`` (IPC handles for ``RolloutEngine.map_shared_weights``, loaded once while this
-        process lives) and the plan's ``view_bytes``/``rebuild_bytes``/``rollout_bytes``.
+    def export_shared_weights(self, same_process: bool = False, *, rollout_kind: str = "hf",
+                              rollout_tp: Optional[int] = None, **options) -> dict:
+        """Share the actor's weights in place with the rollout rank on this device
+        (``sharing.enabled``): returns ``payload`` (IPC handles for ``RolloutEngine.map_shared_weights``,
+        loaded once while this process lives), ``rollout_kind``/``rollout_tp``/``rollout_rank`` and
+        the byte counts ``view_bytes``/``rebuild_bytes``/``remote_bytes``/``rollout_bytes`` of this
+        device (``docs/sharing.md``).
 
         Raises:
             NotImplementedError: the backend cannot share its weights.

@@ -6,14 +6,28 @@ The torch backend is data parallel only (``actor.tensor_parallel_size`` and
 after the micro-batches of a mini-batch, the ranks sum their gradients with one flattened
 all-reduce (what DDP's reducer does at the end of a backward, without its per-bucket hooks).
 
-Why not DDP or FSDP2 here: with ``model.shared_prefix`` a prefix graph computed once (in the decode
-window) is back-propagated through by several micro-batches' backward passes
-(``retain_graph``), and the last mini-batch's prefix may be built before the first optimizer step;
-DDP's reducer expects exactly one backward per forward of the wrapped module and FSDP2 reshards
-parameters after each forward/backward, which the retained prefix graphs outlive. Summing gradients
-explicitly keeps the prefix/suffix decomposition exact and works on gloo (CPU) and NCCL (GPU)
-alike. Losses are normalised by the mini-batch's global token/sequence counts
-(``data.types.MiniBatchSpec``), so the summed gradient equals the single-process one.
+Why not DDP or FSDP2 here (rechecked when the PPO loop was split from the backends):
+
+* DDP arms its reducer in ``DistributedDataParallel.forward`` (``_pre_forward`` ->
+  ``reducer.prepare_for_backward``; the reducer's autograd hook returns early when no forward of
+  the wrapper armed it, ``torch/csrc/distributed/c10d/reducer.cpp::autograd_hook``). None of our
+  passes is a forward of the wrapped model: the prefix passes (in the decode window, steps ahead of
+  the update), the suffix passes and the full-sequence pass call the vision tower, the language
+  model and the LM head directly (``models/prefix.py``, ``models/sequence.py``), so DDP would
+  reduce nothing. A DP rank with no responses in a mini-batch must also still join the sum.
+* FSDP2 (``fully_shard``) keeps 1/N of every parameter per rank and all-gathers them inside each
+  forward; the rollout engine maps the actor's parameters as views, in place (``sharing/``), which
+  needs every device to hold the whole parameters its rollout rank reads (a sharded actor would cost
+  an all-gather copy per weight sync: what sharing removes).
+
+What this costs: the all-reduce runs once after the last backward of the mini-batch instead of
+overlapping the backward bucket by bucket (not measured; it matters on GPUs, not on the 2-core
+CPU runs). The old reason given here, several backward passes through one retained prefix graph,
+no longer holds: with ``model.shared_prefix`` each micro-batch is one group and each prefix graph
+gets exactly one backward (``training/log_probs.py::ResponseScorer.micro_batches``).
+Summing gradients explicitly works on gloo (CPU) and NCCL (GPU) alike. Losses are normalised by the
+mini-batch's global token/sequence counts (``data.types.MiniBatchSpec``), so the summed gradient
+equals the single-process one.
 """
 
 from __future__ import annotations
@@ -64,14 +78,18 @@ class DataParallel:
         return flat.numel() * flat.element_size()
 
     def sum_metrics(self, metrics: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
-        """``metrics`` with the values of ``keys`` summed over the group (the others unchanged);
-        every rank gets the same result."""
-        if self.group is None or not keys:
-            return metrics
-        values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.SUM, group=self.group)
-        return {**metrics, **{k: float(v) for k, v in zip(keys, values.tolist())}}
+        """:func:`sum_metrics` over this group."""
+        return sum_metrics(metrics, keys, self.group)
 
+
+def sum_metrics(metrics: dict[str, float], keys: tuple[str, ...], group=None) -> dict[str, float]:
+    """``metrics`` with the values of ``keys`` summed over the process ``group`` (the others
+    unchanged; None: one rank, unchanged); every rank gets the same result."""
+    if group is None or not keys:
+        return metrics
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.SUM, group=group)
+    return {**metrics, **{k: float(v) for k, v in zip(keys, values.tolist())}}
 
 def parallelize_torch(params: list[torch.nn.Parameter], layout, rank: int) -> DataParallel:
     """Apply the layout's data parallelism to a replicated torch model.

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from rollplex_train.models.layouts import Dims, Layout
 from rollplex_train.models.loading import load_model
 from rollplex_train.models.megatron_convert import hf_to_megatron, megatron_layout
+from rollplex_train.sharing.plan import megatron_vocab_divisor
 from rollplex_train.training.megatron.model import (
     MegatronVLM, build_gpt_model, has_transformer_engine, transformer_config)
 
 log = logging.getLogger(__name__)
 
-VOCAB_DIVISIBLE_BY = 128
-"""megatron's default ``make_vocab_size_divisible_by`` (``megatron/training/arguments.py``)."""
 
 
 def init_parallel(layout, rank: int, seed: int) -> None:
@@ -71,8 +71,15 @@ class BuiltModel:
 
 
 def build_model(path: str, dtype: str, attn_implementation: str, *, tp: int, pp: int, tp_rank: int,
-                device: str, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY) -> BuiltModel:
-    """Load the HF checkpoint at ``path`` and build this TP rank's :class:`MegatronVLM`.
+                device, vocab_divisible_by: Optional[int] = None) -> BuiltModel:
+    """Load the HF checkpoint at ``path`` and build this TP rank's :class:`MegatronVLM` on ``device``
+    (a ``torch.device`` or ``cpu``/``cuda``: the current CUDA device).
+
+    Args:
+        vocab_divisible_by: megatron's ``make_vocab_size_divisible_by`` (default 128,
+            ``megatron/training/arguments.py``); None picks ``sharing.plan.megatron_vocab_divisor``:
+            the largest power of two <= 128 whose padding equals the rollout's (SGLang pads to a
+            multiple of 64), so that every rank's vocabulary shard is a view of the rollout's.
 
     Raises:
         ValueError: pipeline parallelism (``pp > 1``) is not built; TP does not divide the heads.
@@ -82,12 +89,14 @@ def build_model(path: str, dtype: str, attn_implementation: str, *, tp: int, pp:
         raise ValueError(f"actor.pipeline_parallel_size={pp}: the Megatron backend runs PP=1 only so far")
     hf = load_model(path, dtype, attn_implementation)
     shapes = {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    vocab = hf.config.get_text_config().vocab_size
+    vocab_divisible_by = vocab_divisible_by or megatron_vocab_divisor(vocab, tp)
     layout = megatron_layout(shapes, Dims.from_hf_config(hf.config), tp, vocab_divisible_by)
-    on_cpu = device == "cpu"
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
     use_te = not on_cpu and has_transformer_engine()
     config = transformer_config(hf.config, tp=tp, pp=pp, dtype=next(hf.parameters()).dtype, on_cpu=on_cpu,
                                 fused=use_te)
-    vocab = hf.config.get_text_config().vocab_size
     padded = -(-vocab // (vocab_divisible_by * tp)) * vocab_divisible_by * tp
     gpt = build_gpt_model(hf.config, config, padded, use_te)
     full = {n: p.detach() for n, p in hf.named_parameters()}
@@ -98,6 +107,4 @@ def build_model(path: str, dtype: str, attn_implementation: str, *, tp: int, pp:
     hf.model.language_model = None  # replaced by the GPTModel; the shell keeps config + vision
     hf.lm_head = None
     model = MegatronVLM(hf, gpt, vocab)
-    if not on_cpu:
-        model.cuda()
-    return BuiltModel(model, layout, use_te)
+    return BuiltModel(model.to(device), layout, use_te)

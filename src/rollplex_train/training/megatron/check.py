@@ -69,9 +69,9 @@ def random_responses(prompts, group_size: int, max_len: int, vocab: int, seed: i
 
 
 def _grads(engine) -> dict[str, torch.Tensor]:
-    engine.ddp.finish_grad_sync()
+    engine.backend.ddp.finish_grad_sync()
     out = {n: p.main_grad.clone() for n, p in engine.actor.named_parameters() if p.requires_grad}
-    engine.ddp.zero_grad_buffer()
+    engine.backend.ddp.zero_grad_buffer()
     return out
 
 
@@ -112,7 +112,7 @@ def check_rank(rank: int, world: int, ckpt: str, prompts, out_dir: str) -> dict:
             ref = hf(input_ids=ids, attention_mask=mask, position_ids=position_ids, **vision_kwargs(vision)).logits
         real = mask.bool()
         logit_diff = max(logit_diff, float((ours[real] - ref[real]).abs().max()))
-        engine.ddp.zero_grad_buffer()
+        engine.backend.ddp.zero_grad_buffer()
         full, _ = scoring.full_logprobs(model, prompts, group_index, rids, rmask, pad)
         (full * weights).sum().backward()
         g_full = _grads(engine)

@@ -1,21 +1,17 @@
 """The megatron-core training backend (``actor.backend=megatron``): TP actor and frozen reference.
 
-The PPO loop (mini-batches over GRPO groups, micro-batch loss aggregation with global token counts,
-prefix store, warm-up, clipping policy) is the torch backend's (``training/torch_engine.py``); this
-engine swaps in the Megatron model calls (``training/megatron/scoring.py``), Megatron DDP gradient
-buffers, a TP-aware gradient norm, per-rank checkpoints, HF export through the layout converter and
-rollout weights made by the sharing plan. Every method is collective over the ranks that hold one
-model replica (a TP group): call it on all of them; results are read from TP rank 0.
-
-Optimizer: a plain ``torch.optim.AdamW`` over the Megatron DDP main grads (CPU, and also CUDA so far:
-megatron's distributed optimizer, ``megatron.core.optimizer.get_megatron_optimizer``, is not wired
-in yet). Pipeline parallelism is refused (``build.build_model``).
+``MegatronBackend`` implements ``training.backend.ModelBackend`` with Megatron model calls
+(``training/megatron/scoring.py``), Megatron DDP gradient buffers, megatron's distributed optimizer
+on CUDA or AdamW on CPU (``training/megatron/optimizer.py``), per-rank checkpoints, HF export
+through the layout converter, and rollout tensors made by the sharing plan (views of its TP shards,
+``sharing/share.py``). ``MegatronTrainEngine`` is the PPO loop (``training/ppo_loop.py``) over it.
+Every method is collective over the ranks that hold one model replica (a TP group): call it on all
+of them; results are read from TP rank 0. Pipeline parallelism is refused (``build.build_model``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Optional
 
@@ -30,40 +26,19 @@ except ImportError:  # pragma: no cover - exercised only without the extra
                             "pip install -e '.[megatron]'") from None
 
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
-from rollplex_train.data.types import TrainBatch
+from rollplex_train.device import layout_device
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.megatron_convert import gpt_key, is_language_model, layout_tensors, megatron_to_hf
 from rollplex_train.parallel import ParallelLayout
-from rollplex_train.training.base import PrefixFunctions, register_train_engine
-from rollplex_train.training.parallelize import DataParallel
+from rollplex_train.training.backend import PrefixFunctions
+from rollplex_train.training.base import register_train_engine
 from rollplex_train.training.megatron import scoring
 from rollplex_train.training.megatron.build import build_model, init_parallel
-from rollplex_train.training.prefix_store import PrefixStore
-from rollplex_train.training.torch_engine import TorchTrainEngine, build_optimizer
+from rollplex_train.training.megatron.optimizer import AdamStateOffload, build_optimizer
+from rollplex_train.training.parallelize import sum_metrics
+from rollplex_train.training.ppo_loop import PPOEngine
 
 log = logging.getLogger(__name__)
-
-
-class MegatronDataParallel(DataParallel):
-    """The torch loop's DP hook over Megatron DDP: ``all_reduce_grads`` finishes DDP's gradient
-    sync (a sum over the DP group: ``calculate_per_token_loss``; each rank's loss is normalised by
-    the mini-batch's global counts) and hands the main grads to the optimizer as ``.grad``;
-    ``sum_metrics`` as :class:`DataParallel` over the DP group.
-
-    Megatron DDP accumulates every backward into ``main_grad`` through per-parameter hooks, so the
-    several backward passes through one retained prefix graph (``model.shared_prefix``) are summed
-    as plain autograd does (``training/parallelize.py`` says why torch DDP cannot do that).
-    """
-
-    def __init__(self, ddp, params: list[torch.nn.Parameter], group):
-        super().__init__(params, group)
-        self.ddp = ddp
-
-    def all_reduce_grads(self) -> int:
-        self.ddp.finish_grad_sync()
-        for p in self.params:
-            p.grad = p.main_grad
-        return 0 if self.group is None else sum(p.main_grad.numel() * p.main_grad.element_size() for p in self.params)
 
 
 def _single_device_layout(actor: ActorConfig) -> ParallelLayout:
@@ -73,9 +48,12 @@ def _single_device_layout(actor: ActorConfig) -> ParallelLayout:
     return ParallelLayout()
 
 
-@register_train_engine("megatron")
-class MegatronTrainEngine(TorchTrainEngine):
+class MegatronBackend:
     """Actor (trainable) and reference (frozen) as :class:`MegatronVLM` shards on one TP rank.
+
+    Megatron DDP accumulates every backward into ``main_grad`` through per-parameter hooks and
+    ``sync_grads`` finishes its sync: a sum over the DP group (``calculate_per_token_loss``; each
+    rank's loss is normalised by the mini-batch's global counts).
 
     Args:
         model, actor, algorithm, seed: as the torch backend.
@@ -87,24 +65,23 @@ class MegatronTrainEngine(TorchTrainEngine):
         RuntimeError: a multi-rank layout without ``torch.distributed`` initialised.
     """
 
-    supports_suffix_chunks = False  # models.prefix.ChunkedSuffix runs a whole HF model, not TP shards
-    exports_prefix_states = False  # its prefix states are TP shards
-    supports_model_parallel = True
-
     def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1,
                  layout: Optional[ParallelLayout] = None, rank: int = 0):
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         torch.manual_seed(seed)
-        self.model_cfg, self.cfg, self.algo = model, actor, algorithm
+        self.model_cfg = model
         self.layout = layout or _single_device_layout(actor)
         self.rank = rank
+        self.device = layout_device(self.layout, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # megatron allocates on torch.cuda.current_device()
         init_parallel(self.layout, rank, seed)
         self.tp_rank, self.tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
         build = lambda: build_model(model.path, model.dtype, model.attn_implementation,  # noqa: E731
                                     tp=self.layout.train_tp, pp=self.layout.train_pp, tp_rank=self.tp_rank,
-                                    device=self.layout.device)
+                                    device=self.device)
         built = build()
         self.conversion, self.te_names = built.layout, built.te_names
         self.tokenizer = load_tokenizer(model.path)
@@ -114,73 +91,71 @@ class MegatronTrainEngine(TorchTrainEngine):
             self.ref = build().model.requires_grad_(False).eval()  # groups cannot be deep-copied)
         if model.freeze_vision_tower:
             built.model.visual.requires_grad_(False)
-        gpt = built.model.language_model
+        distributed = self.device.type == "cuda"  # megatron's distributed optimizer (optimizer.py)
         self.ddp = DistributedDataParallel(
-            config=gpt.config,
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
+            config=built.model.language_model.config,
+            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=distributed,
+                                                     grad_reduce_in_fp32=True),
             module=built.model,
         )
         self.actor = built.model
-        self.device = next(self.actor.parameters()).device  # where the loss inputs go (TorchTrainEngine)
         self.params = [p for p in self.actor.parameters() if p.requires_grad]
-        self.optimizer, self.scheduler = build_optimizer(self.params, actor)
-        dp_group = ps.get_data_parallel_group() if self.layout.train_dp > 1 else None
-        self.dp = MegatronDataParallel(self.ddp, self.params, dp_group)
-        self.prefix_passes = PrefixFunctions(scoring.encode_prefix, scoring.score_suffix)
-        self.weights_version = 0
-        self.param_version = 0
-        self.prefixes = PrefixStore(owner=f"megatron-rank{rank}")
-        self.chunked = {}  # stays empty: no suffix chunks on TP shards (supports_suffix_chunks)
-        self._shared = None
-        self._offloader = None
+        self.optimizer = build_optimizer(self.ddp, self.params, actor, self.device, self.tp_rank, self.tp_group)
+        self.dp_group = ps.get_data_parallel_group() if self.layout.train_dp > 1 else None
+        self.prefix_passes = PrefixFunctions(scoring.encode_prefix, scoring.score_suffix)  # no chunks on TP shards
+        self._offload: Optional[AdamStateOffload] = None
 
-    @staticmethod
-    def check_available(cfg) -> None:
-        """The settings of a run ``Config`` this engine cannot honour, for the driver to call before
-        Ray starts (as it calls a rollout engine's ``check_available``).
-
-        Raises:
-            ValueError: ``sharing.enabled=true`` or ``memory.offload_optimizer=true`` (named).
-        """
-        if cfg.sharing.enabled or cfg.memory.offload_optimizer:
-            raise ValueError("actor.backend=megatron shares no weights in place and offloads nothing yet: set "
-                             "sharing.enabled=false and memory.offload_optimizer=false")
-
-    # ---- model calls (the torch backend's loop calls these) -------------------------------------
-    def _score_full(self, model, prompts, part: dict, temperature: float, with_entropy: bool):
+    # ---- model calls ------------------------------------------------------------------------------
+    def score_full(self, model, prompts, part: dict, *, temperature: float, with_entropy: bool):
         return scoring.full_logprobs(model, prompts, part["group_index"], part["response_ids"], part["response_mask"],
                                      self.pad_id, temperature=temperature, with_entropy=with_entropy,
                                      vision_grad=not self.model_cfg.freeze_vision_tower)
 
-    # ---- gradients -------------------------------------------------------------------------------
-    def _update_mini_batch(self, *args, **kwargs):
-        self.ddp.zero_grad_buffer()  # main grads accumulate over the mini-batch's micro-batches only
-        return super()._update_mini_batch(*args, **kwargs)
+    # ---- gradients and optimizer ------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()  # main grads accumulate over one mini-batch's micro-batches only
+        self.optimizer.zero_grad()
 
-    def _clip_grad_norm(self, max_norm: float) -> float:
-        """Clip by the global norm over the TP group, counting replicated tensors once
-        (megatron-core ``optimizer/clip_grads.py::get_grad_norm_fp32`` with
-        ``param_is_not_tensor_parallel_duplicate``); the scale is torch's ``clip_grad_norm_``:
-        ``min(1, max_norm / (norm + 1e-6))``. Runs after ``MegatronDataParallel.all_reduce_grads``."""
-        squares = torch.zeros((), dtype=torch.float64)
-        for p in self.params:
-            if getattr(p, "tensor_model_parallel", False) or self.tp_rank == 0:
-                squares += p.grad.double().pow(2).sum()
-        torch.distributed.all_reduce(squares, group=self.tp_group)
-        norm = float(squares.sqrt())
-        scale = min(1.0, max_norm / (norm + 1e-6))
-        if scale < 1.0:
-            for p in self.params:
-                p.grad.mul_(scale)
-        return norm
+    def sync_grads(self) -> int:
+        self.ddp.finish_grad_sync()
+        self.optimizer.take_grads()
+        if self.dp_group is None:
+            return 0
+        return sum(p.main_grad.numel() * p.main_grad.element_size() for p in self.params)
 
-    # ---- weights ---------------------------------------------------------------------------------
+    def sum_metrics(self, metrics: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
+        return sum_metrics(metrics, keys, self.dp_group)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return self.optimizer.clip_grad_norm(max_norm)
+
+    def optimizer_step(self, lr: float) -> None:
+        self.optimizer.step(lr)
+
+    # ---- memory -----------------------------------------------------------------------------------
+    def offload(self, parts: tuple[str, ...]) -> int:
+        """The Adam states to host (``memory.offload_optimizer``); weights and DDP's gradient
+        buffers stay on the device.
+
+        Raises:
+            ValueError: a part other than ``optimizer``.
+        """
+        if set(parts) - {"optimizer"}:
+            raise ValueError(f"actor.backend=megatron offloads only its optimizer states, not {sorted(set(parts) - {'optimizer'})}")
+        if self._offload is None:
+            self._offload = AdamStateOffload(self.actor, self.optimizer)
+        return self._offload.offload() if parts else 0
+
+    def onload(self, parts: tuple[str, ...]) -> int:
+        return 0 if self._offload is None or "optimizer" not in parts else self._offload.onload()
+
+    # ---- weights ----------------------------------------------------------------------------------
     def _gather_tp(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(tensor) for _ in range(self.layout.train_tp)]
         torch.distributed.all_gather(parts, tensor.contiguous(), group=self.tp_group)
         return parts
 
-    def _local_tensors(self) -> dict[str, torch.Tensor]:
+    def local_tensors(self) -> dict[str, torch.Tensor]:
         """``{layout name: tensor}`` of this rank (the parameters' storage, detached)."""
         gpt = {k: v.detach() for k, v in self.actor.language_model.named_parameters()}
         vision = {"model.visual." + k: v.detach() for k, v in self.actor.visual.named_parameters()}
@@ -188,7 +163,7 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def hf_state(self) -> dict[str, torch.Tensor]:
         """Full HF tensors of the actor (language model joined over TP; collective), new storage."""
-        local = self._local_tensors()
+        local = self.local_tensors()
         ranks = [{} for _ in range(self.layout.train_tp)]
         for name, tensor in local.items():
             if is_language_model(self.conversion.ranks[self.tp_rank][name].blocks[0].source):
@@ -198,72 +173,83 @@ class MegatronTrainEngine(TorchTrainEngine):
         out.update({n: t.clone() for n, t in local.items() if not is_language_model(n)})
         return out
 
-    def rollout_tensors(self, rollout_kind: str = "hf", rollout_tp: int = 1, **options) -> dict[str, torch.Tensor]:
-        """This rank's rollout tensors as ``sharing/plan.py`` lays them out: views of the training
-        shards where the plan says view, rebuilt buffers for local rebuilds, gathered runs fetched
-        over the TP group (collective).
+    def share_plan(self, rollout_kind: str, rollout_tp: int, **options):
+        """``sharing.plan.plan_sharing`` from this backend's Megatron layout (t = TP) to
+        ``rollout_kind`` at ``rollout_tp`` (``options``: ``split_qkv``/``split_gate_up``)."""
+        from rollplex_train.models.layouts import Dims
+        from rollplex_train.sharing.plan import plan_sharing
 
-        Args:
-            rollout_kind: ``hf`` (the built-in engine) or ``sglang``; rollout_tp: its TP degree;
-                options: ``split_qkv``/``split_gate_up`` of the SGLang layout.
+        conv = self.conversion
+        return plan_sharing(conv.hf_shapes, Dims.from_hf_config(self.actor.config), t=conv.tp, r=rollout_tp,
+                            rollout_kind=rollout_kind, itemsize=self.params[0].element_size(), train_layout=conv,
+                            **options)
+
+    def rollout_tensors(self, rollout_kind: str = "hf", rollout_tp: int = 1, **options) -> dict[str, torch.Tensor]:
+        """This rank's rollout tensors as ``sharing/plan.py`` lays them out (collective when the
+        plan gathers): views of the training shards where the plan says view, new buffers for
+        rebuilt and gathered tensors (not shared: ``share_weights`` is the in-place hand-over).
 
         Returns:
             ``{rollout name: tensor}`` of the rollout rank the plan puts on this rank's device.
         """
-        from rollplex_train.models.layouts import Dims
-        from rollplex_train.sharing.materialize import Materializer, RankFetcher
-        from rollplex_train.sharing.plan import plan_sharing
+        from rollplex_train.sharing.share import materialize
 
-        conv = self.conversion
-        local = self._local_tensors()
-        plan = plan_sharing(conv.hf_shapes, Dims.from_hf_config(self.actor.config), t=conv.tp, r=rollout_tp,
-                            rollout_kind=rollout_kind, itemsize=next(iter(local.values())).element_size(),
-                            train_layout=conv, **options)
-        pair = plan.devices[self.rank % len(plan.devices)]
+        mat, _, pair = materialize(self.share_plan(rollout_kind, rollout_tp, **options), self.rank,
+                                   self.local_tensors(), group=self.tp_group)
         assert pair[0] == self.tp_rank, (pair, self.tp_rank)
-        plans = plan.tensors[pair]
-        fetch = None
-        if conv.tp > 1:  # every rank joins the gathers, in name order, whether it needs them or not
-            gathered = {n: self._gather_tp(t) for n, t in sorted(local.items())}
-            fetch = RankFetcher(conv, [{n: g[i] for n, g in gathered.items()} for i in range(conv.tp)])
-        return Materializer(plans, local, fetch).tensors
+        return mat.tensors
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """The actor under the built-in rollout engine's (HF) names, full tensors (collective)."""
         return self.rollout_tensors("hf", 1)
 
-    def export_shared_weights(self) -> dict:
-        raise NotImplementedError("actor.backend=megatron cannot share its weights in place yet (sharing.enabled=false)")
+    def share_weights(self, rollout_kind: str, rollout_tp: int, same_process: bool, **options):
+        """The ``sharing.share.WeightShare`` of this rank's device: views of the TP shards where the
+        plan allows, ``[q;k;v]``-style rebuilds, gathers only where t != r needs them.
 
-    def publish_weights(self, version: int) -> dict[str, float]:
-        raise NotImplementedError("actor.backend=megatron cannot share its weights in place yet")
+        Raises:
+            RuntimeError: the plan puts another rollout rank on this device than the run layout.
+        """
+        from rollplex_train.sharing.share import WeightShare
 
-    def offload_states(self, parts: tuple[str, ...]) -> int:
-        raise NotImplementedError("actor.backend=megatron has no offload yet (memory.offload_optimizer=false)")
+        plan = self.share_plan(rollout_kind, rollout_tp, **options)
+        train_rank, rollout_rank = plan.devices[self.rank % len(plan.devices)]
+        assert train_rank == self.tp_rank, (train_rank, self.tp_rank)
+        if rollout_rank != self.rank % rollout_tp:
+            raise RuntimeError(f"the share plan puts rollout rank {rollout_rank} on device {self.rank}; the run's "
+                               f"rollout engines hold rank {self.rank % rollout_tp} there")
+        return WeightShare(plan, self.rank, self.local_tensors(), rollout_kind=rollout_kind, group=self.tp_group,
+                           same_process=same_process)
 
-    def prefetch_states(self, parts: tuple[str, ...]) -> int:
-        """Nothing is ever offloaded (``offload_states`` refuses): 0 bytes."""
-        return 0
+    def weights_digest(self) -> dict[str, str]:
+        """``{HF name: sha256}`` of the joined actor (collective), comparable with the rollout
+        engine's ``weights_digest``."""
+        from rollplex_train.sharing.embedded import tensors_digest
 
-    # ---- checkpoints -----------------------------------------------------------------------------
+        return tensors_digest(self.hf_state())
+
+    # ---- checkpoints ------------------------------------------------------------------------------
     def _rank_dir(self, directory: Path) -> Path:
         c = self.layout.train_coords(self.rank)
-        return Path(directory) / f"megatron_tp{c.tp:02d}_pp{c.pp:02d}"
+        return directory / f"megatron_tp{c.tp:02d}_pp{c.pp:02d}"
 
-    def save_checkpoint(self, directory: Path) -> None:
+    def save(self, directory: Path, trainer_state: dict) -> None:
         """Per (TP, PP) shard, written by DP rank 0: ``megatron_tpXX_ppYY/{actor,optim}.pt`` (module
-        state, AdamW and warm-up state, weights version, torch RNG). Collective (barrier at the end)."""
+        state; optimizer, ``trainer_state``, the TP/PP degrees), plus ``optim_params.pt`` with the
+        distributed optimizer. Collective (barrier at the end)."""
         out = self._rank_dir(directory)
-        if self.layout.train_coords(self.rank).dp == 0:
+        writer = self.layout.train_coords(self.rank).dp == 0
+        if writer:
             out.mkdir(parents=True, exist_ok=True)
+        optim = self.optimizer.save(out, writer)  # collective over DP with the distributed optimizer
+        if writer:
             torch.save(self.actor.state_dict(), out / "actor.pt")
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "weights_version": self.weights_version, "torch_rng": torch.get_rng_state(),
-                        "layout": (self.layout.train_tp, self.layout.train_pp)}, out / "optim.pt")
+            torch.save({**optim, **trainer_state, "layout": (self.layout.train_tp, self.layout.train_pp)},
+                       out / "optim.pt")
         torch.distributed.barrier()
 
-    def load_checkpoint(self, directory: Path) -> None:
-        """Restore what ``save_checkpoint`` wrote (the same TP/PP degrees).
+    def load(self, directory: Path) -> dict:
+        """Restore what ``save`` wrote (the same TP/PP degrees).
 
         Raises:
             FileNotFoundError: this rank's shard directory or a file of it is missing.
@@ -273,15 +259,15 @@ class MegatronTrainEngine(TorchTrainEngine):
         for name in ("actor.pt", "optim.pt"):
             if not (src / name).is_file():
                 raise FileNotFoundError(f"checkpoint {directory} lacks {src.name}/{name}")
-        state = torch.load(src / "optim.pt", weights_only=False)
-        if tuple(state["layout"]) != (self.layout.train_tp, self.layout.train_pp):
-            raise ValueError(f"checkpoint {directory} has TP/PP {state['layout']}, the run has "
+        state = torch.load(src / "optim.pt", weights_only=False, map_location=self.device)
+        if tuple(state.pop("layout")) != (self.layout.train_tp, self.layout.train_pp):
+            raise ValueError(f"checkpoint {directory} has other TP/PP degrees than the run's "
                              f"{(self.layout.train_tp, self.layout.train_pp)}")
-        self.actor.load_state_dict(torch.load(src / "actor.pt", weights_only=True))
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.weights_version = int(state["weights_version"])
-        torch.set_rng_state(state["torch_rng"])
+        self.actor.load_state_dict(torch.load(src / "actor.pt", weights_only=True, map_location=self.device))
+        self.optimizer.load(src, state)
+        state.pop("optimizer")
+        state["torch_rng"] = state["torch_rng"].cpu()
+        return state
 
     def export_hf(self, directory: Path) -> None:
         """Write the actor as an HF checkpoint directory (collective; TP rank 0 of DP rank 0 writes)."""
@@ -294,11 +280,28 @@ class MegatronTrainEngine(TorchTrainEngine):
         with torch.no_grad():
             for name, param in hf.named_parameters():
                 param.copy_(full[name])
-        export_hf(hf, self.tokenizer, Path(directory), extra_files_from=Path(self.model_cfg.path))
+        export_hf(hf, self.tokenizer, directory, extra_files_from=Path(self.model_cfg.path))
 
-    def weights_digest(self) -> dict[str, str]:
-        """``{HF name: sha256}`` of the joined actor (collective), comparable with the rollout
-        engine's ``weights_digest``."""
-        from rollplex_train.sharing.embedded import tensors_digest
 
-        return tensors_digest(self.hf_state())
+@register_train_engine("megatron")
+class MegatronTrainEngine(PPOEngine):
+    """The PPO loop over a :class:`MegatronBackend` (arguments as the backend's). It adds nothing to
+    the loop but the backend it builds, its declared capabilities and the run-level check below."""
+
+    supports_model_parallel = True  # TP x PP shards; no suffix chunks, prefix states are TP shards
+
+    def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1,
+                 layout: Optional[ParallelLayout] = None, rank: int = 0):
+        super().__init__(MegatronBackend(model, actor, algorithm, seed, layout, rank), model, actor, algorithm, rank)
+
+    @staticmethod
+    def check_available(cfg) -> None:
+        """The settings of a run ``Config`` this engine cannot honour, for the driver to call before
+        Ray starts (as it calls a rollout engine's ``check_available``).
+
+        Raises:
+            ValueError: ``actor.pipeline_parallel_size > 1`` (PP is not built).
+        """
+        if cfg.actor.pipeline_parallel_size > 1:
+            raise ValueError(f"actor.pipeline_parallel_size={cfg.actor.pipeline_parallel_size}: the Megatron "
+                             "backend runs PP=1 only so far")
