@@ -308,7 +308,7 @@ def test_precomputed_prefixes_give_the_same_step(tiny_ckpt_qwen25, rollout_batch
     first_mini = rollout_batch.prompts[:mini]  # only the first mini-batch's actor prefixes may run ahead
     info = ahead.precompute_prefixes(rollout_batch.prompts, ["old", "ref"], weights_version=0)
     ahead.precompute_prefixes(first_mini, ["actor"], weights_version=0)
-    assert info["prefix/num_states"] == 6 and len(ahead.prefixes) == 6 + mini
+    assert info.metrics["prefix/num_states"] == 6 and len(ahead.prefixes) == 6 + mini
     results = []
     for engine in engines:
         old, _ = engine.compute_log_probs(rollout_batch, "actor")

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from rollplex_train.data.types import DecodeProgress, PromptSample, Response, TrainBatch, gather_rows
+from rollplex_train.data.types import DecodeProgress, MiniBatchSpec, PromptSample, Response, TrainBatch, gather_rows
 from rollplex_train.runtime.protocol import ItemStream, Pending
 
 
@@ -66,6 +66,16 @@ class StepPrompts:
         part = batch.at_rows(rows)
         return replace(part, prompts=self.refs[dp], source_rows=rows,
                        group_index=torch.tensor(self.local(dp, part.group_index.tolist()), dtype=torch.long))
+
+    def update_part(self, batch: TrainBatch, dp: int, whole: list[MiniBatchSpec]) -> TrainBatch:
+        """DP rank ``dp``'s part of the step's ``batch`` for the update: all its groups (``part``)
+        and one ``MiniBatchSpec`` per global mini-batch of ``whole`` (``TrainBatch.plan_mini_batches``)
+        with the global token/sequence counts and its own groups' local indices, so that every rank
+        takes the same optimizer steps and normalises its losses over the whole mini-batch."""
+        mine = self.groups_of_dp[dp]
+        local = {g: i for i, g in enumerate(mine)}
+        specs = [MiniBatchSpec(tuple(local[g] for g in s.groups if g in local), s.num_tokens, s.num_seqs) for s in whole]
+        return replace(self.part(batch, dp, mine), mini_batches=specs)
 
 
 class TrainGroup:
@@ -114,10 +124,11 @@ class TrainGroup:
         """One PPO update over the whole step's batch, cut into DP parts (whole groups, global
         mini-batch counts; gradients summed over DP in the engines); metrics of the first replica
         (loss metrics are already global sums there)."""
-        parts = batch.split_by_rank(step.rank_of_group, self.dp_size, step.groups_per_mini_batch)
+        whole = batch.plan_mini_batches(step.groups_per_mini_batch)
+        parts = [step.update_part(batch, dp, whole) for dp in range(self.dp_size)]
         every = list(enumerate(step.groups_of_dp))  # a rank without groups still joins the gradient sum
-        return self._on_owners(every, "update_actor", lambda k, dp, mine, leader: (
-            replace(parts[k], prompts=step.refs[dp]), temperature), lambda outs, _: outs[0])
+        return self._on_owners(every, "update_actor", lambda k, dp, mine, leader: (parts[k], temperature),
+                               lambda outs, _: outs[0])
 
     def precompute_prefixes(self, step: StepPrompts, groups: list[int], roles: list[str], version: int,
                             export: bool = False) -> Pending:

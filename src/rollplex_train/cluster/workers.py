@@ -1,9 +1,8 @@
 """Worker shells: one TrainWorker per device and one RolloutWorker per rollout engine, colocated.
 
 They are thin: each builds its engine through the registry, pins its torch thread count, joins the
-training ranks' torch.distributed group, resolves object-store references, forwards calls, and
-turns what an engine returns into the typed results of ``runtime/protocol.py`` (the one place that
-reads an engine's ``prefix/*`` / ``suffix/*`` keys). No algorithm code lives here. The same classes run as Ray actors (``RayExecutor``) or as objects in
+training ranks' torch.distributed group, resolves object-store references, and forwards calls
+(the engines answer with typed results: ``training.base.PrefixResult`` ...). No algorithm code lives here. The same classes run as Ray actors (``RayExecutor``) or as objects in
 the driver (``InProcessExecutor``). On CPU colocated workers share the device's cores
 (``cluster.threads_per_device``); on a GPU, with ``cluster.device_share=streams|green``, each
 worker thread issues on a CUDA stream of its own (``device_share.py``).
@@ -26,8 +25,8 @@ from rollplex_train.rollout.base import SamplingParams, create_rollout_engine
 from rollplex_train.device import layout_device
 from rollplex_train.device_share import enter_side, half_sms
 from rollplex_train.memory.host_malloc import keep_freed_memory
-from rollplex_train.runtime.protocol import ChunkResult, PrefixResult, WeightsExport
-from rollplex_train.training.base import create_train_engine
+from rollplex_train.runtime.protocol import WeightsExport
+from rollplex_train.training.base import ChunkResult, PrefixResult, create_train_engine
 
 
 def resolve(value, indices: Optional[list[int]] = None):
@@ -44,28 +43,6 @@ def resolve_batch(batch: TrainBatch) -> TrainBatch:
     """The batch with its prompts fetched if they travel by reference."""
     batch.prompts = resolve(batch.prompts)
     return batch
-
-
-def prefix_result(out: dict) -> PrefixResult:
-    """``TrainEngine.precompute_prefixes``'s ``prefix/*`` dict as a :class:`PrefixResult` (the keys
-    it does not name go to ``metrics``)."""
-    roles = [k.split("/")[1] for k in out if k.count("/") == 2 and k.endswith("/seconds")]
-    taken = {"prefix/start_time", "prefix/end_time", "prefix/threads", "prefix/bytes_held", "prefix/states",
-             *(f"prefix/{r}/{x}" for r in roles for x in ("seconds", "tokens"))}
-    return PrefixResult(seconds={r: out[f"prefix/{r}/seconds"] for r in roles},
-                        tokens={r: int(out[f"prefix/{r}/tokens"]) for r in roles},
-                        start_time=out["prefix/start_time"], end_time=out["prefix/end_time"],
-                        threads=int(out["prefix/threads"]), bytes_held=out["prefix/bytes_held"],
-                        states=list(out.get("prefix/states", [])),
-                        metrics={k: v for k, v in out.items() if k not in taken})
-
-
-def chunk_result(role: str, out: dict) -> ChunkResult:
-    """``TrainEngine.score_suffix_chunks``'s ``suffix/*`` dict as a :class:`ChunkResult`."""
-    taken = {f"suffix/{role}/seconds", f"suffix/{role}/tokens", "suffix/start_time", "suffix/end_time", "suffix/threads"}
-    return ChunkResult(role=role, seconds=out[f"suffix/{role}/seconds"], tokens=int(out[f"suffix/{role}/tokens"]),
-                       start_time=out["suffix/start_time"], end_time=out["suffix/end_time"],
-                       threads=int(out["suffix/threads"]), metrics={k: v for k, v in out.items() if k not in taken})
 
 
 def init_distributed(rank: int, world_size: int, address: Optional[tuple[str, int]], device: str) -> None:
@@ -302,13 +279,12 @@ class TrainWorker:
 
     def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int,
                             indices: Optional[list[int]] = None, export: bool = False) -> PrefixResult:
-        return prefix_result(self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version, export))
+        return self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version, export)
 
     def score_suffix_chunks(self, prompts: list[PromptSample], role: str, tokens: dict, width: int,
                             weights_version: int, final: bool = False) -> ChunkResult:
         """``tokens``: position in ``prompts`` (this rank's prompts, by reference) -> (n, t) tokens."""
-        return chunk_result(role, self.engine.score_suffix_chunks(resolve(prompts), role, tokens, width,
-                                                                  weights_version, final))
+        return self.engine.score_suffix_chunks(resolve(prompts), role, tokens, width, weights_version, final)
 
     def set_threads(self, threads: int) -> None:
         """This worker's share of the cores for the coming phase."""

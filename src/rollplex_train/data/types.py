@@ -238,32 +238,6 @@ class TrainBatch:
         wanted = set(int(p) for p in prompt_indices)
         return torch.tensor([i for i, g in enumerate(self.group_index.tolist()) if g in wanted], dtype=torch.long)
 
-    def split_by_rank(self, rank_of_group: list[int], num_ranks: int,
-                      groups_per_mini_batch: int) -> list["TrainBatch"]:
-        """This whole step's batch cut into one part per data-parallel rank.
-
-        Args:
-            rank_of_group: (P,) the DP rank of each prompt (whole GRPO groups stay together).
-            num_ranks: DP degree. groups_per_mini_batch: prompts per global optimizer step.
-
-        Returns:
-            ``num_ranks`` batches; each holds its groups in global order, ``source_rows`` and one
-            :class:`MiniBatchSpec` per global mini-batch (global counts), so every rank takes the
-            same number of optimizer steps.
-        """
-        assert len(rank_of_group) == len(self.prompts) and self.mini_batches is None
-        whole = self.plan_mini_batches(groups_per_mini_batch)
-        parts = []
-        for rank in range(num_ranks):
-            mine = [g for g in range(len(self.prompts)) if rank_of_group[g] == rank]
-            part = self.select_groups(mine)
-            local = {g: i for i, g in enumerate(mine)}
-            part.mini_batches = [MiniBatchSpec(tuple(local[g] for g in spec.groups if g in local),
-                                               spec.num_tokens, spec.num_seqs) for spec in whole]
-            part.source_rows = self.rows_of(mine)
-            parts.append(part)
-        return parts
-
     def select_groups(self, prompt_indices: list[int]) -> "TrainBatch":
         """The sub-batch holding the responses of the given prompts (prompt indices renumbered)."""
         remap = {p: i for i, p in enumerate(prompt_indices)}

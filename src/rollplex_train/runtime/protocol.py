@@ -7,10 +7,9 @@ worker called) and a function that combines their values. The Ray executor makes
 the same on both and never imports Ray (verl's ``single_controller`` dispatch / collect split,
 slime's ``RayTrainGroup`` fan-out).
 
-Workers answer with typed records (:class:`PrefixResult`, :class:`ChunkResult`,
-:class:`WeightsExport`; made from what the engines return in ``cluster/workers.py``), each with its
-observability numbers in one ``metrics`` field; the groups put the step's global prompt indices on
-them. A decode strategy answers the step with a :class:`RolloutResult`. Times are
+Workers answer with typed records: the training engines' ``PrefixResult`` and ``ChunkResult``
+(``training/base.py``, each with its observability numbers in one ``metrics`` field; the groups put
+the step's global prompt indices on them) and :class:`WeightsExport`. A decode strategy answers the step with a :class:`RolloutResult`. Times are
 ``time.perf_counter`` seconds of the process that measured them (CLOCK_MONOTONIC: comparable with
 the driver's on one machine).
 """
@@ -22,46 +21,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
-
-
-@dataclass
-class PrefixResult:
-    """One DP rank's ``precompute_prefixes`` call (its replica's first rank answers).
-
-    Attributes:
-        seconds / tokens: per role encoded (``old``, ``ref``, ``actor``): wall seconds and prompt tokens.
-        start_time / end_time: the call's span. threads: torch threads it ran on.
-        bytes_held: prefix-state bytes the rank holds after the call.
-        states: with ``export``, the last role's states (no graph), one per prompt, in ``groups`` order.
-        groups: the step's global prompt indices of the call; dp: the DP rank that ran it (both set
-            by ``TrainGroup``).
-        metrics: the rest of the engine's numbers (``prefix/num_states`` ...).
-    """
-
-    seconds: dict[str, float]
-    tokens: dict[str, int]
-    start_time: float
-    end_time: float
-    threads: int
-    bytes_held: float
-    states: list = field(default_factory=list)
-    groups: list[int] = field(default_factory=list)
-    dp: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class ChunkResult:
-    """One DP rank's ``score_suffix_chunks`` call: ``tokens`` input tokens (all rows) of ``role``'s
-    suffix pass run in ``seconds`` on ``threads`` threads, between ``start_time`` and ``end_time``."""
-
-    role: str
-    seconds: float
-    tokens: int
-    start_time: float
-    end_time: float
-    threads: int
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

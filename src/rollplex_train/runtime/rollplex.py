@@ -31,10 +31,11 @@ import torch
 from rollplex_train.config import Config
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.runtime.planner import PrefixCall, WindowPlan, prefix_calls
-from rollplex_train.runtime.protocol import PrefixResult, RolloutResult, get_all, wait_first
+from rollplex_train.runtime.protocol import RolloutResult, get_all, wait_first
 from rollplex_train.runtime.serial import sampling_params
 from rollplex_train.runtime.timeline import Timeline
 from rollplex_train.runtime.window import WindowPlanner, suffix_input_tokens, window_metrics
+from rollplex_train.training.base import PrefixResult
 
 
 class PlannedDecode:

@@ -29,8 +29,8 @@ from rollplex_train.models.prefix import chunk_end
 from rollplex_train.runtime.cost_model import CostModel
 from rollplex_train.runtime.graph import StepGraph, build_step_graph
 from rollplex_train.runtime.planner import PhasePlanner, WindowPlan, run_order
-from rollplex_train.runtime.protocol import ChunkResult, PrefixResult
 from rollplex_train.runtime.timeline import Timeline
+from rollplex_train.training.base import ChunkResult, PrefixResult
 
 GIB = 1024**3
 

@@ -25,7 +25,7 @@ from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.models.loading import has_dropout
-from rollplex_train.training.base import TrainEngine
+from rollplex_train.training.base import ChunkResult, PrefixResult, TrainEngine
 from rollplex_train.training.log_probs import ResponseScorer
 from rollplex_train.versioning import check_version
 
@@ -99,24 +99,23 @@ class PPOEngine(TrainEngine):
         return logps, ents
 
     def precompute_prefixes(self, prompts, roles: list[str], weights_version: int,
-                            export: bool = False) -> dict[str, float]:
+                            export: bool = False) -> PrefixResult:
         """Encode the prefixes of ``prompts`` for later suffix passes (the decode-window work).
 
         Args:
             roles: any of ``ref`` (reference), ``old`` (old-policy log-probs), ``actor`` (with the
                 autograd graph, for the first mini-batch of the next update).
             weights_version: the version the caller expects (the rollout's).
-            export: also return ``prefix/states``, the last role's states of ``prompts`` in order,
+            export: also return the last role's states of ``prompts`` in order (``states``),
                 detached (``PrefixState.detached``; they share the stored tensors): an ``old`` or
                 ``actor`` state is the prompt's KV cache under the rollout's weights, which the
                 rollout engine decodes from instead of prefilling (``schedule.prefill_from_actor``).
 
         Returns:
-            ``prefix/<role>/seconds`` (wall time of that role's encoding), ``prefix/<role>/tokens``
-            (prompt tokens encoded), ``prefix/start_time``/``prefix/end_time`` (``time.perf_counter``
-            of this process: CLOCK_MONOTONIC, comparable with the driver's on one machine),
-            ``prefix/threads``, and ``prefix/bytes_held``/``prefix/num_states`` after the call;
-            with ``export``, ``prefix/states`` (recorded under ``weights_version``).
+            per role its wall seconds and prompt tokens, the call's span (``time.perf_counter`` of
+            this process: CLOCK_MONOTONIC, comparable with the driver's on one machine), threads,
+            the bytes held after it (``metrics``: ``prefix/num_states``); with ``export`` the states
+            (recorded under ``weights_version``).
 
         Raises:
             StaleWeightsError: ``weights_version`` differs from this engine's.
@@ -127,7 +126,7 @@ class PPOEngine(TrainEngine):
                                       weights_version=weights_version, export=export)
 
     def score_suffix_chunks(self, prompts, role: str, tokens: dict[int, torch.Tensor], width: int,
-                            weights_version: int, final: bool = False) -> dict[str, float]:
+                            weights_version: int, final: bool = False) -> ChunkResult:
         """Run the suffix pass of decoding groups on the tokens decoded so far, in chunks that give
         the one-call pass's numbers (``models.prefix.ChunkedSuffix``); ``compute_log_probs`` of
         those groups then runs only the tokens left. Needs ``model.shared_prefix``.
@@ -140,9 +139,8 @@ class PPOEngine(TrainEngine):
             final: the pass's last chunk (``tokens`` hold whole responses): run every input left.
 
         Returns:
-            ``suffix/<role>/seconds``, ``suffix/<role>/tokens`` (input tokens run, all rows),
-            ``suffix/start_time``/``suffix/end_time`` (``time.perf_counter``), ``suffix/threads``,
-            ``suffix/bytes_held`` (chunked passes held).
+            the seconds and input tokens run (all rows), the call's span (``time.perf_counter``),
+            threads; ``metrics``: ``suffix/bytes_held`` (chunked passes held).
 
         Raises:
             NotImplementedError: the backend cannot run suffix chunks (Megatron's TP shards).

@@ -64,11 +64,11 @@ class TorchBackend:
         self._offloader = None  # memory.offload.ModuleOffloader on first offload()
 
     # ---- model calls ------------------------------------------------------------------------------
-    def score_full(self, model, prompts, part: dict, *, temperature: float, with_entropy: bool):
+    def score_full(self, model, part, *, temperature: float, with_entropy: bool):
         ids, mask, plen, vision = build_full_sequences(
-            prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
+            part.prompts, part.group_index, part.response_ids, part.response_mask, self.pad_id
         )
-        return response_logprobs(model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
+        return response_logprobs(model, ids, mask, vision, plen, part.response_ids, part.response_mask,
                                  temperature=temperature, with_entropy=with_entropy)
 
     # ---- gradients and optimizer ------------------------------------------------------------------

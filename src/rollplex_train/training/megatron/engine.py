@@ -106,8 +106,8 @@ class MegatronBackend:
         self._offload: Optional[AdamStateOffload] = None
 
     # ---- model calls ------------------------------------------------------------------------------
-    def score_full(self, model, prompts, part: dict, *, temperature: float, with_entropy: bool):
-        return scoring.full_logprobs(model, prompts, part["group_index"], part["response_ids"], part["response_mask"],
+    def score_full(self, model, part, *, temperature: float, with_entropy: bool):
+        return scoring.full_logprobs(model, part.prompts, part.group_index, part.response_ids, part.response_mask,
                                      self.pad_id, temperature=temperature, with_entropy=with_entropy,
                                      vision_grad=not self.model_cfg.freeze_vision_tower)
 
