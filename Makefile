@@ -42,7 +42,7 @@ $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 ifneq ($(HAS_GPU),1)
 	$(PIP) install -q torch==2.13.0
 endif
-	$(PIP) install -q $(PIP_CONSTRAINT_FLAGS) -e '.[dev,megatron,envs]'
+	$(PIP) install -q $(PIP_CONSTRAINT_FLAGS) -e '.[dev,megatron,envs,submitit]'
 	touch $@
 
 install: $(VENV)/.installed

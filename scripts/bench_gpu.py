@@ -95,9 +95,10 @@ def make_prompts(ckpt: Path, step: int, num: int, frames: int, side: int):
 def make_config(args, label: str, ckpt: Path, share: str):
     from rollplex_train.config import (ActorConfig, AlgorithmConfig, ClusterConfig, Config, DataConfig,
                                        ModelConfig, RewardConfig, RolloutConfig, ScheduleConfig, TrainerConfig)
+    from rollplex_train.resolve import resolve
 
     name, shared = SCHEDULES[label]
-    return Config(
+    return resolve(Config(
         model=ModelConfig(path=str(ckpt), shared_prefix=shared, compute_dtype=args.compute_dtype),
         data=DataConfig(train_files="<in-process prompts>", val_files="", rollout_batch_size=args.prompts,
                         shuffle=False),
@@ -109,7 +110,7 @@ def make_config(args, label: str, ckpt: Path, share: str):
         cluster=ClusterConfig(device=args.device, executor="inprocess", device_share=share, threads_per_device=1),
         schedule=ScheduleConfig(name=name),
         trainer=TrainerConfig(seed=1, total_steps=args.steps),
-    )
+    ))
 
 
 class UtilSampler:
@@ -146,7 +147,8 @@ def run_schedule(args, label: str, ckpt: Path, share: str, sampler: UtilSampler,
     from rollplex_train.algo.rewards import RewardManager
     from rollplex_train.cluster.launch import create_workers
     from rollplex_train.models.loading import load_tokenizer
-    from rollplex_train.runtime import make_schedule
+    from rollplex_train.runtime import make_run
+    from rollplex_train.runtime.step import run_step
 
     cfg = make_config(args, label, ckpt, share)
     begin = time.perf_counter()
@@ -154,18 +156,17 @@ def run_schedule(args, label: str, ckpt: Path, share: str, sampler: UtilSampler,
     rows, digest, util = [], None, []
     try:
         reward = RewardManager(cfg.reward.function, cfg.reward.format_weight)
-        schedule = make_schedule(cfg, workers, reward, load_tokenizer(ckpt).pad_token_id)
+        run = make_run(cfg, workers, reward, load_tokenizer(ckpt).pad_token_id)
         for step in range(1, args.steps + 1):
-            metrics = schedule.run_step(make_prompts(ckpt, step, args.prompts, args.frames, args.side), step)
+            result = run_step(run, make_prompts(ckpt, step, args.prompts, args.frames, args.side), step)
             if step == 1:
-                _, responses, _ = schedule.last_rollout
-                digest = hashlib.sha256(str([r.token_ids.tolist() for r in responses]).encode()).hexdigest()
+                digest = hashlib.sha256(str([r.token_ids.tolist() for r in result.responses]).encode()).hexdigest()
             if step >= args.timed_from:
-                rows.append(metrics)
-                tl = schedule.timeline
+                rows.append(result.metrics)
+                tl = result.timeline
                 util.append(sampler.mean_in([(tl.origin + s.start_s, tl.origin + s.end_s) for s in tl.spans
                                              if s.name == "gen"]))
-        schedule.timeline.write_chrome_trace(out / label / "traces" / f"step_{args.steps}.json")
+        result.timeline.write_chrome_trace(out / label / "traces" / f"step_{args.steps}.json")
     finally:
         workers.shutdown()
         del workers

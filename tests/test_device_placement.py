@@ -153,9 +153,10 @@ def test_builtin_engine_prefill_and_decode_stay_on_the_device(tiny_ckpt_qwen25, 
         _models_load_on_the_device(placement, monkeypatch, builtin)
         engine = BuiltinRolloutEngine(str(tiny_ckpt_qwen25))
         engine.fused_decode_unsupported = "the GPU path: transformers' forward"
-        sampled = engine.generate(mixed_prompts, SamplingParams(n=2, max_new_tokens=5, seed=1, top_k=20, top_p=0.9))
+        sampled = engine.generate(mixed_prompts, SamplingParams(n=2, max_new_tokens=5, seed=1, top_k=20, top_p=0.9,
+                                                                ignore_eos=True))
         given = encode_prefix(engine.model, mixed_prompts, version=0)
-        greedy = engine.generate(mixed_prompts, SamplingParams(n=2, max_new_tokens=5, temperature=0.0),
+        greedy = engine.generate(mixed_prompts, SamplingParams(n=2, max_new_tokens=5, temperature=0.0, ignore_eos=True),
                                  prefixes=given)
     _clean(placement)
     assert [len(r.token_ids) for r in sampled + greedy] == [5] * 12
@@ -208,7 +209,7 @@ def test_tp2_builtin_engine_stays_on_the_device(tiny_ckpt_qwen25, mixed_prompts,
     monkeypatch.setattr(builtin, "load_model", load)
     actor = load_model(tiny_ckpt_qwen25)
     states = [encode_prefix(actor, [p], version=0)[0] for p in mixed_prompts]
-    params = SamplingParams(n=2, max_new_tokens=5, seed=1)
+    params = SamplingParams(n=2, max_new_tokens=5, seed=1, ignore_eos=True)  # random weights: EOS may come
     store, out = dist.HashStore(), [None, None]
 
     def rank(r: int) -> None:

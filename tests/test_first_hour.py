@@ -187,7 +187,7 @@ def test_interrupt_and_reward_failure_end_in_one_line(capsys):
     from rollplex_train.algo.rewards import RewardFailure
     from rollplex_train.cli import _run_errors
     from rollplex_train.data.loader import NoBatchError
-    from rollplex_train.runtime.rollplex import PrefillBudgetError
+    from rollplex_train.runtime.window import PrefillBudgetError
 
     with pytest.raises(SystemExit) as end:
         with _run_errors(_Trainer(7, Path("/runs/x/checkpoints/global_step_5"))):

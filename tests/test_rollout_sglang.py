@@ -335,7 +335,7 @@ def test_mapped_trainer_weights_are_pushed_at_each_published_version(sgl, mixed_
         adapter.generate(mixed_prompts, SamplingParams(), weights_version=3)
     trainer["model.language_model.norm.weight"].add_(1.0)
     counter.publish(4)
-    with pytest.raises(StaleWeightsError, match="shared weights are version 4"):
+    with pytest.raises(StaleWeightsError, match="the shared counter holds version 4"):
         adapter.sync_shared_weights(5)
     adapter.sync_shared_weights(4)
     assert torch.equal(last_sent(norm), full["model.language_model.norm.weight"] + 1.0)

@@ -61,7 +61,7 @@ def _run_errors(trainer):
     code 2."""
     from rollplex_train.algo.rewards import RewardFailure
     from rollplex_train.data.loader import NoBatchError
-    from rollplex_train.runtime.rollplex import PrefillBudgetError
+    from rollplex_train.runtime.window import PrefillBudgetError
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # kept across ray.init (start_ray)
     try:
@@ -160,6 +160,7 @@ def _hydra_main(task, program: str) -> None:
 def _train(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from rollplex_train.cluster.launch import check_sweep_job
     from rollplex_train.config import to_config
     from rollplex_train.paths import resolve_config_paths
     from rollplex_train.trainer import Trainer
@@ -171,6 +172,7 @@ def _train(cfg) -> None:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     with _user_errors("rollplex-train"):  # config, files and data are checked before Ray starts
+        check_sweep_job()
         config = resolve_config_paths(to_config(cfg), conf_dir().parent)
         output_dir = config.trainer.output_dir or HydraConfig.get().runtime.output_dir
         trainer = Trainer(config, Path(output_dir))

@@ -60,6 +60,26 @@ def _tp_rendezvous(executor, device: int) -> tuple[str, int]:
     return ray.get(ray.remote(free_port_and_ip).options(**executor.placement.actor_options(device, 0)).remote())
 
 
+def check_sweep_job() -> None:
+    """In a Hydra sweep job that submitit started (``hydra/launcher=submitit_slurm`` or
+    ``submitit_local``): the job must be one task, since every task runs the whole driver (each would
+    start a Ray cluster and train the same point). A point over several nodes runs through
+    ``launch/slurm_ray.sbatch`` instead (docs/cluster.md).
+
+    Raises:
+        ValueError: the job has more than one task (names the ``hydra.launcher`` keys).
+    """
+    if not os.environ.get("SUBMITIT_EXECUTOR"):  # not a submitit job
+        return
+    import submitit
+
+    tasks = submitit.JobEnvironment().num_tasks
+    if tasks > 1:
+        raise ValueError(f"hydra.launcher: this sweep job has {tasks} tasks, but each job runs one driver that starts "
+                         "its own Ray cluster; set hydra.launcher.nodes=1 and hydra.launcher.tasks_per_node=1 (a "
+                         "multi-node point runs through launch/slurm_ray.sbatch)")
+
+
 def create_workers(cfg: Config, output_dir: Path) -> Workers:
     """Build and wait for every worker of the run (engines loaded, process groups joined).
 

@@ -44,6 +44,7 @@ import torch
 from rollplex_train.registry import MissingExtraError
 from rollplex_train.data.types import PromptSample, Response
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
+from rollplex_train.versioning import check_newer, check_version
 from rollplex_train.rollout.sglang_memory import phase_transition
 from rollplex_train.rollout.sglang_request import build_generate_call, parse_outputs
 from rollplex_train.rollout.sglang_weights import (
@@ -179,6 +180,7 @@ class SGLangRolloutEngine(RolloutEngine):
     """
 
     check_available = staticmethod(check_available)
+    supports_tensor_parallel = True  # one engine over tp_size GPUs (check_config still asks for 1)
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", attn_implementation: str = "sdpa",
                  max_batch_size: int = 256, *, tp_size: int = 1, base_gpu_id: int = 0,
@@ -262,8 +264,8 @@ class SGLangRolloutEngine(RolloutEngine):
     def _check_ready(self, weights_version: Optional[int]) -> None:
         if self._released & {"weights", "kv_cache"}:
             raise RuntimeError(f"SGLang memory released ({sorted(self._released)}): call resume_memory() before generate()")
-        if weights_version is not None and weights_version != self.weights_version:
-            raise StaleWeightsError(f"request for weights version {weights_version}, engine holds version {self.weights_version}")
+        if weights_version is not None:
+            check_version(weights_version, self.weights_version, "request", "engine")
         if self._updating or not self._valid:
             raise StaleWeightsError(f"SGLang holds no valid weights of version {self.weights_version} "
                                     f"({'update in progress' if self._updating else 'released or never pushed'})")
@@ -306,8 +308,7 @@ class SGLangRolloutEngine(RolloutEngine):
         """
         if self._shared is not None:
             raise RuntimeError("weights are mapped from the trainer: use sync_shared_weights")
-        if version <= self.weights_version:
-            raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
+        check_newer(version, self.weights_version, "update_weights")
         self._push(named_tensors, version)
 
     def _to_rank(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:

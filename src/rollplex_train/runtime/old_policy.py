@@ -31,8 +31,9 @@ def actor_forward_is_old_policy(cfg: Config, hf_config: Optional[dict] = None) -
     return not cfg.actor.recompute_old_log_prob and not dropout
 
 
-def first_mini_batch_groups(cfg: Config, num_groups: int) -> int:
-    """Prompt groups in the first PPO mini-batch (``actor.ppo_mini_batch_size``, -1: all)."""
+def groups_per_mini_batch(cfg: Config, num_groups: int) -> int:
+    """Prompt groups in a PPO mini-batch (one optimizer step) of a batch of ``num_groups``
+    (``actor.ppo_mini_batch_size``, -1: all); the first mini-batch is groups ``0 ..`` that many."""
     mini = cfg.actor.ppo_mini_batch_size
     return num_groups if mini <= 0 else min(mini, num_groups)
 
@@ -40,5 +41,5 @@ def first_mini_batch_groups(cfg: Config, num_groups: int) -> int:
 def old_pass_groups(cfg: Config, num_groups: int, reuse: bool) -> list[int]:
     """Groups whose old-policy log-probs need the separate pass: all without ``reuse``, else the
     groups outside the first mini-batch (none when one mini-batch takes the whole batch)."""
-    start = first_mini_batch_groups(cfg, num_groups) if reuse else 0
+    start = groups_per_mini_batch(cfg, num_groups) if reuse else 0
     return list(range(start, num_groups))
