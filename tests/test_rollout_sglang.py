@@ -248,12 +248,12 @@ def test_memory_release_and_resume_by_tag(sgl, mixed_prompts):
 def test_a_control_call_that_reports_no_status_is_not_a_success(sgl, mixed_prompts):
     """release/resume return None in SGLang 0.5.23 (accepted: the call returning is the acknowledgement);
     a weight-update call that returns None is another API than the adapter's: refused, not counted as done."""
-    from rollplex_train.rollout.sglang import _acknowledged, _ok
+    from rollplex_train.rollout import sglang
 
     adapter, engine, full = sgl
     with pytest.raises(RuntimeError, match=r"SGLang flush_cache returned None, not \(success, message\)"):
-        _ok(None, "flush_cache")
-    _acknowledged(None, "release_memory_occupation")
+        sglang._ok(None, "flush_cache")
+    sglang._acknowledged(None, "release_memory_occupation")
     engine.flush_cache = lambda: None
     with pytest.raises(RuntimeError, match="flush_cache returned None"):
         adapter.update_weights(full, version=1)

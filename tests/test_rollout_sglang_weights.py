@@ -18,7 +18,8 @@ import torch
 
 from rollplex_train.config import ModelConfig
 from rollplex_train.models.arch import load_hf_config, parameter_shapes
-from rollplex_train.models.layouts import Dims, build_layout, reference_shard, sglang_padded_vocab
+from rollplex_train.models import layouts
+from rollplex_train.models.layouts import Dims, build_layout, reference_shard
 from rollplex_train.rollout.sglang_weights import (
     build_update_calls,
     buckets,
@@ -99,7 +100,6 @@ def test_tiny_model_follows_sglangs_rules_with_tied_head_and_replicated_kv_heads
 def test_vocabulary_is_padded_as_sglang_pads_it_at_odd_tp(vocab, tp, rows):
     """SGLang pads to a multiple of 64, or of 64 x TP when TP does not divide that (0.5.23
     VocabParallelEmbedding.__init__); the test data's derivation follows the same line independently."""
-    assert sglang_padded_vocab(vocab, tp) == rows
     text = {"hidden_size": 8, "num_attention_heads": tp, "num_key_value_heads": tp, "intermediate_size": tp,
             "vocab_size": vocab, "num_hidden_layers": 0}
     vision = {"hidden_size": 2 * tp, "num_heads": tp, "intermediate_size": tp, "depth": 0, "out_hidden_size": 8,
@@ -110,6 +110,7 @@ def test_vocabulary_is_padded_as_sglang_pads_it_at_odd_tp(vocab, tp, rows):
     assert [s.shape for s in specs] == [(rows // tp, 8)] * tp and derived == [rows // tp, 8]
     assert [(b.start, b.stop) for s in specs for b in s.blocks] == [(i * rows // tp, (i + 1) * rows // tp)
                                                                      for i in range(tp)]
+    assert layouts.sglang_padded_vocab(vocab, tp) == rows
 
 
 def test_shards_hold_the_right_rows(tiny_full):
