@@ -24,7 +24,8 @@ TRANSFORMERS_FLOOR := 5.17.0
 FLOOR_HUB := 1.33.0
 FLOOR_DIR := build/transformers-$(TRANSFORMERS_FLOOR)
 FLOOR_TESTS := tests/test_models_prefix.py tests/test_models_sequence.py tests/test_models_rope.py \
-	tests/test_models_logprobs.py tests/test_rollout_builtin.py tests/test_rollout_decoder.py tests/test_device_placement.py
+	tests/test_models_logprobs.py tests/test_rollout_builtin.py tests/test_rollout_decoder.py tests/test_device_placement.py \
+	tests/test_rollout_shared_prefix.py tests/test_rollout_tp.py
 # What scripts/gpu_run.sh carries to the H200 machine (Python 3.12, x86_64): megatron-core (not installed there),
 # for Python 3.12 and for this machine's python3 (the dry run); a transformers wheel only if the floor rises
 # above the H200 machine's 5.17 (gpu_run.sh installs it then).

@@ -133,9 +133,10 @@ def _rank_process(rank: int, port: int, ckpt: str, prompts, new: dict, queue) ->
         actor = load_model(ckpt)
         states = [encode_prefix(actor, [p], version=0)[0] for p in prompts]
         out["given"] = engine.generate(prompts, SAMPLED, prefixes=states)
-        engine.share_prompt_kv = True
-        out["shared_kv"] = engine.generate(prompts, SAMPLED)
-        engine.share_prompt_kv = False
+        if engine.fused_decode_unsupported is None:  # share_prompt_kv needs it (refused below transformers 5.24)
+            engine.share_prompt_kv = True
+            out["shared_kv"] = engine.generate(prompts, SAMPLED)
+            engine.share_prompt_kv = False
         engine.update_weights(new, version=1)  # full HF tensors, this rank's rows cut and copied
         out["updated"] = engine.generate(prompts, SAMPLED, weights_version=1)
 
@@ -198,6 +199,9 @@ def test_tp2_builtin_engine_tokens_equal_tp1(tiny_ckpt_qwen25, mixed_prompts):
     for key, ref in [("own", "own"), ("greedy", "greedy"), ("given", "own"), ("shared_kv", "own"),
                      ("updated", "updated"), ("mapped", "updated")]:
         expected = _plain(want[ref])
+        if key == "shared_kv" and single.fused_decode_unsupported:
+            assert all(key not in out for out in ranks)  # transformers < 5.24: no fused step, no shared copy
+            continue
         for out in ranks:
             assert [t for t, _ in out[key]] == [t for t, _ in expected], key
             diff = max(abs(a - b) for (_, x), (_, y) in zip(out[key], expected) for a, b in zip(x, y))
