@@ -3,7 +3,7 @@
 # transformers 5.17 preinstalled with pillow, numpy, jinja2, nvidia-ml-py; no Ray, Hydra, datasets,
 # decord, av; no network). IT HAS NOT RUN ON A GPU YET (docs/benchmarks.md). From the repository root:
 #
-#   bash scripts/gpu_run.sh [OUT]          # the GPU run: under 9 minutes, at most 8 files in OUT
+#   bash scripts/gpu_run.sh [OUT]          # the GPU run: under 8 minutes, at most 8 files in OUT
 #   bash scripts/gpu_run.sh --dry-run [OUT]  # the same flow on CPU with tiny sizes (make gpu-dry-run
 #                                            # runs it in a venv holding only what the GPU machine has)
 #
@@ -28,8 +28,9 @@ PY="${PYTHON:-python3}"
 if [[ "$PY" == */* ]]; then PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"; fi  # the steps run elsewhere
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 WHEELS="$ROOT/build/gpu-wheels"
-# per-step limits (s): 30 + 45 + 100 + 150 + 200 = 525 s < 9 min with setup included
-T_SETUP=30 T_PROBE=45 T_SCHEDULES=100 T_MEGATRON=150 T_BENCH=200
+# per-step limits (s): 30 + 40 + 90 + 120 + 170 = 450 s; T_TOTAL caps the whole (a step gets at most
+# what is left of it, each killed 5 s after its limit): under 8 minutes on the GPU machine
+T_SETUP=30 T_PROBE=40 T_SCHEDULES=90 T_MEGATRON=120 T_BENCH=170 T_TOTAL=450
 
 mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
@@ -49,7 +50,7 @@ START=$SECONDS
 {
   echo "python: $("$PY" -c 'import sys; print(sys.version.split()[0])') ($PY)"
   ls -l "$WHEELS" 2>&1
-  if ! "$PY" -m pip install -q --no-index --no-deps --target "$SITE" --find-links "$WHEELS" 'megatron-core==0.16.1'; then
+  if ! timeout "$T_SETUP" "$PY" -m pip install -q --no-index --no-deps --target "$SITE" --find-links "$WHEELS" 'megatron-core==0.16.1'; then
     # no pip for this python3: a wheel is a zip archive of what an install puts in site-packages
     tag="cp$("$PY" -c 'import sys; print(f"{sys.version_info[0]}{sys.version_info[1]}")')"
     wheel="$(ls "$WHEELS"/megatron_core-0.16.1-"$tag"-*.whl)" && "$PY" -m zipfile -e "$wheel" "$SITE"
@@ -64,7 +65,7 @@ print(f"transformers {version('transformers')} installed, floor {sys.argv[1]}")
 sys.exit(0 if have >= need else 1)
 EOF
   then
-    "$PY" -m pip install -q --no-index --no-deps --target "$SITE" --find-links "$WHEELS" "transformers==$floor"
+    timeout "$T_SETUP" "$PY" -m pip install -q --no-index --no-deps --target "$SITE" --find-links "$WHEELS" "transformers==$floor"
   fi
 } > "$OUT/setup.log" 2>&1
 SETUP_RC=$?
@@ -94,11 +95,17 @@ STEPS=0
 # step NAME LIMIT_S EXPECT -- command...: runs under `timeout`, output to NAME.log; failed when it exits
 # non-zero or its output lacks the EXPECT line (a grep -E pattern)
 step() {
-  local name="$1" limit="$2" expect="$3" begin=$SECONDS rc
+  local name="$1" limit="$2" expect="$3" begin=$SECONDS rc left
   shift 4
   STEPS=$((STEPS + 1))
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  rc=$?
+  left=$((T_TOTAL - (SECONDS - START)))
+  if [[ $left -lt $limit ]]; then limit=$left; fi
+  if [[ $limit -lt 5 ]]; then
+    echo "not run: T_TOTAL=${T_TOTAL}s spent" > "$OUT/$name.log"; rc=124
+  else
+    timeout --kill-after=5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+  fi
   if [[ $rc -eq 0 ]] && ! grep -Eq "$expect" "$OUT/$name.log"; then rc=99; fi
   [[ $rc -ne 0 ]] && FAILED+=("$name")
   say "step $name rc=$rc seconds=$((SECONDS - begin)) last: $(grep -v '^\s*$' "$OUT/$name.log" | tail -n 1)"
