@@ -77,7 +77,8 @@ class Run:
         cfg: the run's config. workers: ``cluster.launch.Workers``. reward: the driver's reward
             manager. pad_id: the tokenizer's pad token id. decode: the schedule's strategy.
         old_from_actor: the first mini-batch takes its old-policy log-probs from the actor's own
-            forward (``runtime/old_policy.py``).
+            forward (``runtime/old_policy.reuse_actor_forward``: only when nothing reads them before
+            the update).
     """
 
     def __init__(self, cfg: Config, workers, reward: RewardManager, pad_id: int, decode: DecodeStrategy,
@@ -203,15 +204,18 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
         with tl.span("update_weights", "rollout"):
             sync_metrics = run.sync_weights(version + 1)
     run.decode.observe(rollout, batch, placed, tl)
-    return StepResult(report(run, batch, rollout.responses, tl, metrics, imbalance, sync_metrics), tl, batch,
-                      rollout.responses, scores)
+    computed = batch.rows_of(old_groups) if old_groups else None  # rows whose old log-probs were computed
+    return StepResult(report(run, batch, rollout.responses, tl, metrics, imbalance, sync_metrics, computed), tl,
+                      batch, rollout.responses, scores)
 
 
 def report(run: Run, batch: TrainBatch, responses: list[Response], tl: Timeline, metrics: dict[str, float],
-           imbalance: dict[str, float], sync_metrics: dict[str, float]) -> dict[str, float]:
-    """The step's metrics: the phases' own, then the batch's (``response_length/*`` ...), the
-    timings, per-phase DP imbalance (DP > 1), throughput, the weights version and the sharing's."""
-    metrics.update(batching.batch_metrics(batch, responses, run.cfg.rollout.max_new_tokens))
+           imbalance: dict[str, float], sync_metrics: dict[str, float],
+           old_rows: torch.Tensor | None = None) -> dict[str, float]:
+    """The step's metrics: the phases' own, then the batch's (``response_length/*`` ...; the
+    log-prob mismatch over ``old_rows``, the rows whose old log-probs were computed), the timings,
+    per-phase DP imbalance (DP > 1), throughput, the weights version and the sharing's."""
+    metrics.update(batching.batch_metrics(batch, responses, run.cfg.rollout.max_new_tokens, old_rows))
     metrics.update(timing_metrics(tl.seconds))
     if run.workers.train.dp_size > 1:  # slowest DP rank over the mean, per phase
         metrics.update(imbalance)
