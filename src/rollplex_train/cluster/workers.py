@@ -258,6 +258,10 @@ class TrainWorker:
     def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
         return self.engine.update_actor(resolve_batch(batch), temperature)
 
+    def pid(self) -> int:
+        """This worker's process id (the worker-kill test hook)."""
+        return os.getpid()
+
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()
 
