@@ -149,6 +149,8 @@ class Trainer:
                                 restarts, self.cfg.trainer.max_restarts, failure, self.step,
                                 failure.last_checkpoint or "the start (no checkpoint yet)")
                     self._rewind(failure.last_checkpoint)
+                    tracker.close()  # the history cut back to the checkpoint, as a resume does
+                    tracker = self._start_tracker()
                 finally:
                     if workers is not None:
                         workers.shutdown()
