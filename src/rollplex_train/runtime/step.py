@@ -192,13 +192,13 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
             advantages, more = batching.step_advantages(cfg, batch, scores, failed, old, ref)
             metrics.update(more)
         batch = dataclasses.replace(batch, reward_failed=failed, old_logprobs=old, ref_logprobs=ref,
-                                    advantages=advantages, old_logprobs_from_actor=run.old_from_actor)
+                                    advantages=advantages)
         if offload:
             with tl.span("prefetch", "train"):
                 metrics["memory/offloaded_bytes"] = float(offloaded.result())
                 metrics["memory/prefetched_bytes"] = float(w.train.prefetch_states(offload).result())
         with tl.span("update_actor", "train"):
-            pending = w.train.update_actor(batch, placed, cfg.rollout.temperature)
+            pending = w.train.update_actor(batch, placed, cfg.rollout.temperature, run.old_from_actor)
             metrics.update(pending.result())
             imbalance["timing_s/update_actor_imbalance"] = pending.imbalance()
         with tl.span("update_weights", "rollout"):
