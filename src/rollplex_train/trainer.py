@@ -140,6 +140,8 @@ class Trainer:
                     if failure is None:
                         raise
                     failure.step, failure.last_checkpoint = self.step, self.last_checkpoint()
+                    if failure.raised:  # the worker's traceback goes to the log; stderr gets one line
+                        log.error("%s", failure, exc_info=err)
                     tear_down(workers)
                     workers = None
                     if restarts >= self.cfg.trainer.max_restarts:

@@ -27,9 +27,9 @@ class WorkerFailure(RuntimeError):
             memory`` or the exception's ``Type: text``.
     """
 
-    def __init__(self, role: str, rank: int, cause: str):
+    def __init__(self, role: str, rank: int, cause: str, raised: bool = False):
         super().__init__(f"{role} worker rank {rank} failed: {cause}")
-        self.role, self.rank, self.cause = role, rank, cause
+        self.role, self.rank, self.cause, self.raised = role, rank, cause, raised  # raised: an exception, not a death
         self.step = 0  # set by the trainer: the step it failed in
         self.last_checkpoint = None  # set by the trainer: its newest checkpoint (None: none)
 
@@ -99,7 +99,7 @@ def diagnose(workers, err: BaseException, probe_timeout_s: float = 5.0) -> Optio
     role, rank = roles.get(actor_id, ("unknown", -1))
     if isinstance(err, RayActorError):
         return WorkerFailure(role, rank, death_cause(err.error_msg))
-    return WorkerFailure(role, rank, _exception_text(err))
+    return WorkerFailure(role, rank, _exception_text(err), raised=True)
 
 
 def tear_down(workers) -> None:
