@@ -100,10 +100,3 @@ def test_update_parts_keep_global_counts_and_rows():
     values = [torch.full((p.num_responses, 4), float(r)) for r, p in enumerate(parts)]
     merged = gather_rows(parts, values, batch.num_responses)
     assert merged[:, 0].tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
-
-
-def test_update_parts_keep_the_old_policy_reuse_flag():
-    batch = _batch([[3, 1], [2, 2]])
-    batch.old_logprobs_from_actor = True
-    placed = _placed(batch, [0, 1], 2)
-    assert all(placed.update_part(batch, dp, batch.plan_mini_batches(2)).old_logprobs_from_actor for dp in range(2))

@@ -55,11 +55,14 @@ def _run_errors(trainer):
     """Around ``Trainer.fit``: Ctrl-C (SIGINT) ends the run with one line naming the last
     checkpoint and exit code 130 (128 + SIGINT, the shell's convention), SIGTERM the same with exit
     code 143 (128 + SIGTERM); a reward function that
-    fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1;
+    fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1,
+    and so does a failed worker with no restart left (``cluster.failures.WorkerFailure``: role,
+    rank, cause, the step and the last checkpoint);
     data that stops yielding full batches (rows found bad only when loaded) and required actor
     prefixes over the memory budget (``schedule.prefill_from_actor=true``) with one line and exit
     code 2."""
     from rollplex_train.algo.rewards import RewardFailure
+    from rollplex_train.cluster.failures import WorkerFailure
     from rollplex_train.data.loader import NoBatchError
     from rollplex_train.runtime.window import PrefillBudgetError
 
@@ -75,6 +78,11 @@ def _run_errors(trainer):
         raise SystemExit(code) from None
     except RewardFailure as err:
         sys.stderr.write(f"rollplex-train: error: {err}\n")
+        raise SystemExit(1) from None
+    except WorkerFailure as err:  # its workers are torn down already (Trainer.fit)
+        last = err.last_checkpoint
+        sys.stderr.write(f"rollplex-train: error: {err} at step {err.step}; "
+                         f"{'last checkpoint ' + str(last) if last is not None else 'no checkpoint was written'}\n")
         raise SystemExit(1) from None
     except NoBatchError as err:
         sys.stderr.write(f"rollplex-train: error: {err}\n")

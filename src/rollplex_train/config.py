@@ -536,6 +536,9 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir if any), ``disable``, or a checkpoint directory."""
+    max_restarts: int = 0
+    """A failed worker: tear the workers down, start them again and resume from the last checkpoint,
+    at most this many times per run (0: the run ends with one line naming the worker)."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard", "wandb"])
     wandb_init_timeout_s: float = 30.0
     """Most seconds the wandb start may take; after it (or any online failure) the run logs to wandb
@@ -552,6 +555,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check_positive("trainer", "total_steps", self.total_steps)
         _check_positive("trainer", "max_ckpt_to_keep", self.max_ckpt_to_keep)
+        _check_positive("trainer", "max_restarts", self.max_restarts, allow_zero=True)
         _check_positive("trainer", "wandb_init_timeout_s", self.wandb_init_timeout_s)
         for name in self.loggers:
             _check_choice("trainer", "loggers", name, ("console", "jsonl", "tensorboard", "wandb"))

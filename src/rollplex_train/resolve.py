@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from rollplex_train.algo.advantages import needs_group
 from rollplex_train.config import Config
 from rollplex_train.registry import MissingExtraError
 from rollplex_train.rollout.base import ROLLOUT_ENGINES
@@ -53,10 +54,14 @@ def resolve(cfg: Config) -> Config:
     engine's ``check_available``, which the trainer asks.
 
     Raises:
-        ValueError: a setting the chosen engines cannot honour (TP/PP degrees, a required prefill
+        ValueError: ``rollout.n < 2`` under a group-baseline estimator (``grpo``, ``drgrpo``,
+            ``rloo``: ``algo.advantages.needs_group``); a setting the chosen engines cannot honour (TP/PP degrees, a required prefill
             handover, an engine's own refusal), naming the keys; an unknown engine name.
     """
     a, r, sch = cfg.actor, cfg.rollout, cfg.schedule
+    if r.n < 2 and needs_group(cfg.algorithm.adv_estimator):
+        raise ValueError(f"rollout.n={r.n}: algorithm.adv_estimator={cfg.algorithm.adv_estimator} takes its "
+                         "baseline from the other responses of a prompt, so it needs rollout.n >= 2")
     rollout, train = _engine_class(ROLLOUT_ENGINES, r.name), _engine_class(TRAIN_ENGINES, a.backend)
     if (a.tensor_parallel_size > 1 or a.pipeline_parallel_size > 1) and not _can(train, "supports_model_parallel"):
         raise ValueError(f"actor.tensor_parallel_size={a.tensor_parallel_size}, actor.pipeline_parallel_size="

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 # Test hook: SIGKILL the driver at the start of this step (after the previous step's checkpoint).
 KILL_AT_STEP_ENV = "ROLLPLEX_KILL_AT_STEP"
+# Test hook: SIGKILL the last train rank's process at the start of this step (once per driver).
+KILL_WORKER_AT_STEP_ENV = "ROLLPLEX_KILL_WORKER_AT_STEP"
 
 
 class Trainer:
@@ -89,6 +91,7 @@ class Trainer:
             self.loader.check_state(self.resume_state["loader"], cfg.data.resume_on_changed_data)
         self._check_lr_schedule()
         self.step = 0
+        self._killed_worker = False  # the worker-kill test hook fired
         self.run = None  # runtime.step.Run, once the workers are up
         self.tracker: Optional[Tracker] = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -110,28 +113,85 @@ class Trainer:
 
     # ---- run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Train for ``trainer.total_steps`` steps (resuming if asked); returns the last metrics."""
-        from rollplex_train.cluster.launch import create_workers
-        from rollplex_train.runtime import make_run
-        from rollplex_train.runtime.step import run_step
+        """Train for ``trainer.total_steps`` steps (resuming if asked); returns the last metrics.
 
-        cfg = self.cfg
+        A failed worker (``cluster.failures.diagnose``) tears every worker down; with restarts left
+        (``trainer.max_restarts``) the workers start again and the run resumes from its last
+        checkpoint (from the start without one), each restart logged.
+
+        Raises:
+            cluster.failures.WorkerFailure: a worker failed and no restart is left (its
+                ``last_checkpoint`` attribute set).
+        """
+        from rollplex_train.cluster.failures import diagnose, tear_down
+
         if self._already_finished():
             return {}
         tracker = self._start_tracker()  # before Ray and any worker: a tracker that fails costs nothing
-        last: dict[str, float] = {}
-        bar = workers = None
+        restarts = 0
         try:
-            workers = create_workers(cfg, self.output_dir)
-            self.run = make_run(cfg, workers, self.reward, self.tokenizer.pad_token_id)
-            self._maybe_resume()
-            if cfg.trainer.val_before_train and self.step == 0 and self.val_set is not None:
-                last = self.validate()
-                tracker.log(last, step=0)
-            bar = ProgressBar(cfg.trainer.total_steps, initial=self.step, enabled=cfg.trainer.progress_bar)
+            while True:
+                workers = None
+                try:
+                    workers = self._start_workers()
+                    return self._train(tracker, workers)
+                except Exception as err:
+                    failure = diagnose(workers, err) if workers is not None else None
+                    if failure is None:
+                        raise
+                    failure.step, failure.last_checkpoint = self.step, self.last_checkpoint()
+                    if failure.raised:  # the worker's traceback goes to the log; stderr gets one line
+                        log.error("%s", failure, exc_info=err)
+                    tear_down(workers)
+                    workers = None
+                    if restarts >= self.cfg.trainer.max_restarts:
+                        raise failure from None
+                    restarts += 1
+                    log.warning("restart %d of %d (trainer.max_restarts): %s at step %d; resuming from %s",
+                                restarts, self.cfg.trainer.max_restarts, failure, self.step,
+                                failure.last_checkpoint or "the start (no checkpoint yet)")
+                    self._rewind(failure.last_checkpoint)
+                    tracker.close()  # the history cut back to the checkpoint, as a resume does
+                    tracker = self._start_tracker()
+                finally:
+                    if workers is not None:
+                        workers.shutdown()
+        finally:
+            tracker.close()
+
+    def _start_workers(self):
+        """The workers up, the run built on them, the checkpoint to resume loaded."""
+        from rollplex_train.cluster.launch import create_workers
+        from rollplex_train.runtime import make_run
+
+        workers = create_workers(self.cfg, self.output_dir)
+        self.run = make_run(self.cfg, workers, self.reward, self.tokenizer.pad_token_id)
+        self._maybe_resume()
+        return workers
+
+    def _rewind(self, checkpoint: Optional[Path]) -> None:
+        """Back to ``checkpoint`` (None: the run's start) before a restart."""
+        self.resume_from = checkpoint
+        self.resume_state = load_json(Path(checkpoint) / "trainer_state.json") if checkpoint else None
+        if checkpoint is None:
+            self.step = 0
+            self.loader = PromptLoader(self.train_set, self.cfg.data.rollout_batch_size, self.cfg.data.shuffle,
+                                       self.cfg.data.seed)
+
+    def _train(self, tracker: Tracker, workers) -> dict[str, float]:
+        """The step loop from ``self.step`` to ``trainer.total_steps``; returns the last metrics."""
+        from rollplex_train.runtime.step import run_step
+
+        cfg = self.cfg
+        last: dict[str, float] = {}
+        if cfg.trainer.val_before_train and self.step == 0 and self.val_set is not None:
+            last = self.validate()
+            tracker.log(last, step=0)
+        bar = ProgressBar(cfg.trainer.total_steps, initial=self.step, enabled=cfg.trainer.progress_bar)
+        try:
             while self.step < cfg.trainer.total_steps:
                 self.step += 1
-                self._fault_hook()
+                self._fault_hook(workers)
                 prompts, num_skipped = self.loader.next_batch()
                 result = run_step(self.run, prompts, self.step)
                 metrics = result.metrics
@@ -158,11 +218,7 @@ class Trainer:
             if cfg.trainer.export_hf:
                 workers.train.export_hf(str(self.output_dir / "hf_actor"))
         finally:
-            if bar is not None:
-                bar.close()
-            tracker.close()
-            if workers is not None:
-                workers.shutdown()
+            bar.close()
         return last
 
     def validate(self) -> dict[str, float]:
@@ -273,8 +329,16 @@ class Trainer:
         log.info("resumed from %s at step %d (weights version %d)", path, self.step, version)
         return Path(path)
 
-    def _fault_hook(self) -> None:
+    def _fault_hook(self, workers) -> None:
         kill_at = os.environ.get(KILL_AT_STEP_ENV)
         if kill_at is not None and int(kill_at) == self.step:
             log.warning("%s=%s: killing the driver with SIGKILL", KILL_AT_STEP_ENV, kill_at)
             os.kill(os.getpid(), signal.SIGKILL)
+        worker_at = os.environ.get(KILL_WORKER_AT_STEP_ENV)  # once per driver: a restart passes the step again
+        if worker_at is not None and int(worker_at) == self.step and not self._killed_worker:
+            self._killed_worker = True
+            rank = workers.train.dp_size - 1
+            pid = workers.executor.call(workers.train.handles[rank], "pid").result()
+            log.warning("%s=%s: killing train rank %d (pid %d) with SIGKILL", KILL_WORKER_AT_STEP_ENV, worker_at,
+                        rank, pid)
+            os.kill(pid, signal.SIGKILL)

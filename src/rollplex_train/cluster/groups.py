@@ -120,14 +120,15 @@ class TrainGroup:
         return self._on_owners(owned, "compute_log_probs", lambda k, dp, mine, leader: (parts[k], role, temperature),
                                lambda outs, _: gather_rows(parts, outs, batch.num_responses, complete=False))
 
-    def update_actor(self, batch: TrainBatch, step: StepPrompts, temperature: float) -> Pending:
+    def update_actor(self, batch: TrainBatch, step: StepPrompts, temperature: float, old_from_actor: bool) -> Pending:
         """One PPO update over the whole step's batch, cut into DP parts (whole groups, global
         mini-batch counts; gradients summed over DP in the engines); metrics of the first replica
-        (loss metrics are already global sums there)."""
+        (loss metrics are already global sums there). ``old_from_actor``: the first mini-batch's
+        old log-probs are the actor's forward (``runtime/old_policy.reuse_actor_forward``)."""
         whole = batch.plan_mini_batches(step.groups_per_mini_batch)
         parts = [step.update_part(batch, dp, whole) for dp in range(self.dp_size)]
         every = list(enumerate(step.groups_of_dp))  # a rank without groups still joins the gradient sum
-        return self._on_owners(every, "update_actor", lambda k, dp, mine, leader: (parts[k], temperature),
+        return self._on_owners(every, "update_actor", lambda k, dp, mine, leader: (parts[k], temperature, old_from_actor),
                                lambda outs, _: outs[0])
 
     def precompute_prefixes(self, step: StepPrompts, groups: list[int], roles: list[str], version: int,

@@ -255,8 +255,12 @@ class TrainWorker:
         """(N, R) float32 log-probs of ``batch``'s responses under ``role``."""
         return self.engine.compute_log_probs(resolve_batch(batch), role, temperature)[0]
 
-    def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
-        return self.engine.update_actor(resolve_batch(batch), temperature)
+    def update_actor(self, batch: TrainBatch, temperature: float = 1.0, old_from_actor: bool = False) -> dict[str, float]:
+        return self.engine.update_actor(resolve_batch(batch), temperature, old_from_actor)
+
+    def pid(self) -> int:
+        """This worker's process id (the worker-kill test hook)."""
+        return os.getpid()
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()

@@ -169,9 +169,6 @@ class TrainBatch:
         source_rows: (N,) int64 row of each response in the step's whole batch, for a data-parallel
             rank's part (None: this is the whole batch).
         reward_failed: (N,) bool, the reward function failed on the response (None: not scored).
-        old_logprobs_from_actor: the first PPO mini-batch's old-policy log-probs are the actor's own
-            forward before its first optimizer step (``runtime/old_policy.py``); ``old_logprobs``
-            then holds only the other mini-batches' rows (None when there are none).
     """
 
     prompts: list[PromptSample]
@@ -185,7 +182,6 @@ class TrainBatch:
     mini_batches: Optional[list[MiniBatchSpec]] = None
     source_rows: Optional[torch.Tensor] = None
     reward_failed: Optional[torch.Tensor] = None
-    old_logprobs_from_actor: bool = False
 
     @property
     def num_responses(self) -> int:

@@ -15,12 +15,12 @@ def make_run(cfg, workers, reward, pad_id):
     Raises:
         NotImplementedError: a schedule that this build does not have.
     """
-    from rollplex_train.runtime.old_policy import actor_forward_is_old_policy
+    from rollplex_train.runtime.old_policy import reuse_actor_forward
     from rollplex_train.runtime.rollplex import PlannedDecode
     from rollplex_train.runtime.serial import PlainDecode
     from rollplex_train.runtime.step import Run
 
-    old_from_actor = actor_forward_is_old_policy(cfg)  # the first mini-batch skips the old pass
+    old_from_actor = reuse_actor_forward(cfg)  # the first mini-batch skips the old pass (old_policy.py's rule)
     name = cfg.schedule.name
     if name == "rollplex":
         decode = PlannedDecode(cfg, workers, pad_id, old_from_actor)

@@ -77,8 +77,14 @@ def step_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor, failed
     return advantages, metrics
 
 
-def batch_metrics(batch: TrainBatch, responses: list[Response], max_new_tokens: int) -> dict[str, float]:
+def batch_metrics(batch: TrainBatch, responses: list[Response], max_new_tokens: int,
+                  old_rows: Optional[torch.Tensor] = None) -> dict[str, float]:
     """``response_length/*``, ``prompt_length/*`` and the rollout-vs-actor log-prob mismatch.
+
+    ``rollout/logprob_diff_max`` (nats) is the largest ``|rollout logp - old logp|`` over the real
+    tokens of ``old_rows`` ((K,) int64 row indices), the rows whose old-policy log-probs were
+    computed before the update; the rows that reuse the actor's forward get theirs only inside it
+    (``runtime/old_policy.py``), so they are not read. None or empty: not logged.
 
     ``response_length/clip_ratio`` is the fraction of responses cut at ``max_new_tokens``
     (``finish_reason == "length"``); one that ended on EOS or a stop string exactly at the limit
@@ -94,8 +100,9 @@ def batch_metrics(batch: TrainBatch, responses: list[Response], max_new_tokens: 
         "prompt_length/mean": float(prompt_lengths.mean()),
         "prompt_length/max": float(prompt_lengths.max()),
     }
-    if batch.rollout_logprobs is not None and batch.old_logprobs is not None:
-        diff = (batch.rollout_logprobs - batch.old_logprobs).abs() * batch.response_mask
+    if batch.rollout_logprobs is not None and batch.old_logprobs is not None and old_rows is not None \
+            and old_rows.numel():
+        diff = (batch.rollout_logprobs[old_rows] - batch.old_logprobs[old_rows]).abs() * batch.response_mask[old_rows]
         out["rollout/logprob_diff_max"] = float(diff.max())
     return out
 

@@ -77,7 +77,8 @@ class Run:
         cfg: the run's config. workers: ``cluster.launch.Workers``. reward: the driver's reward
             manager. pad_id: the tokenizer's pad token id. decode: the schedule's strategy.
         old_from_actor: the first mini-batch takes its old-policy log-probs from the actor's own
-            forward (``runtime/old_policy.py``).
+            forward (``runtime/old_policy.reuse_actor_forward``: only when nothing reads them before
+            the update).
     """
 
     def __init__(self, cfg: Config, workers, reward: RewardManager, pad_id: int, decode: DecodeStrategy,
@@ -191,27 +192,30 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
             advantages, more = batching.step_advantages(cfg, batch, scores, failed, old, ref)
             metrics.update(more)
         batch = dataclasses.replace(batch, reward_failed=failed, old_logprobs=old, ref_logprobs=ref,
-                                    advantages=advantages, old_logprobs_from_actor=run.old_from_actor)
+                                    advantages=advantages)
         if offload:
             with tl.span("prefetch", "train"):
                 metrics["memory/offloaded_bytes"] = float(offloaded.result())
                 metrics["memory/prefetched_bytes"] = float(w.train.prefetch_states(offload).result())
         with tl.span("update_actor", "train"):
-            pending = w.train.update_actor(batch, placed, cfg.rollout.temperature)
+            pending = w.train.update_actor(batch, placed, cfg.rollout.temperature, run.old_from_actor)
             metrics.update(pending.result())
             imbalance["timing_s/update_actor_imbalance"] = pending.imbalance()
         with tl.span("update_weights", "rollout"):
             sync_metrics = run.sync_weights(version + 1)
     run.decode.observe(rollout, batch, placed, tl)
-    return StepResult(report(run, batch, rollout.responses, tl, metrics, imbalance, sync_metrics), tl, batch,
-                      rollout.responses, scores)
+    computed = batch.rows_of(old_groups) if old_groups else None  # rows whose old log-probs were computed
+    return StepResult(report(run, batch, rollout.responses, tl, metrics, imbalance, sync_metrics, computed), tl,
+                      batch, rollout.responses, scores)
 
 
 def report(run: Run, batch: TrainBatch, responses: list[Response], tl: Timeline, metrics: dict[str, float],
-           imbalance: dict[str, float], sync_metrics: dict[str, float]) -> dict[str, float]:
-    """The step's metrics: the phases' own, then the batch's (``response_length/*`` ...), the
-    timings, per-phase DP imbalance (DP > 1), throughput, the weights version and the sharing's."""
-    metrics.update(batching.batch_metrics(batch, responses, run.cfg.rollout.max_new_tokens))
+           imbalance: dict[str, float], sync_metrics: dict[str, float],
+           old_rows: torch.Tensor | None = None) -> dict[str, float]:
+    """The step's metrics: the phases' own, then the batch's (``response_length/*`` ...; the
+    log-prob mismatch over ``old_rows``, the rows whose old log-probs were computed), the timings,
+    per-phase DP imbalance (DP > 1), throughput, the weights version and the sharing's."""
+    metrics.update(batching.batch_metrics(batch, responses, run.cfg.rollout.max_new_tokens, old_rows))
     metrics.update(timing_metrics(tl.seconds))
     if run.workers.train.dp_size > 1:  # slowest DP rank over the mean, per phase
         metrics.update(imbalance)

@@ -78,10 +78,12 @@ class TrainEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+    def update_actor(self, batch: TrainBatch, temperature: float = 1.0, old_from_actor: bool = False) -> dict[str, float]:
         """One PPO update over the batch (mini-batches x epochs); returns ``actor/*`` metrics.
 
-        Requires ``batch.advantages`` and ``batch.old_logprobs`` (and ``ref_logprobs`` with a KL loss).
+        Requires ``batch.advantages`` and ``batch.old_logprobs`` (and ``ref_logprobs`` with a KL loss);
+        ``old_from_actor``: the first mini-batch's old log-probs are its own forward (the step decides,
+        ``runtime/old_policy.reuse_actor_forward``), ``old_logprobs`` holds the other rows.
         Increments ``weights_version`` by one.
         """
 

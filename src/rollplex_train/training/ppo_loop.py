@@ -154,26 +154,27 @@ class PPOEngine(TrainEngine):
         return self.scorer.score_chunks(prompts, role, tokens, width, param_version=self.param_version, final=final)
 
     # ---- update -----------------------------------------------------------------------------------
-    def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
+    def update_actor(self, batch: TrainBatch, temperature: float = 1.0, old_from_actor: bool = False) -> dict[str, float]:
         """PPO epochs x mini-batches x micro-batches over ``batch`` (see the module docstring).
 
-        With ``batch.old_logprobs_from_actor`` the first mini-batch of the first epoch takes its
-        old-policy log-probs from its own forward (``old = logp.detach()``: ratio exactly 1), and
-        later epochs reuse those values (``runtime/old_policy.py``).
+        With ``old_from_actor`` (the step's decision, ``runtime/old_policy.reuse_actor_forward``)
+        the first mini-batch of the first epoch takes its old-policy log-probs from its own forward
+        (``old = logp.detach()``: ratio exactly 1), and later epochs reuse those values;
+        ``batch.old_logprobs`` then holds only the other mini-batches' rows (None when there are none).
 
         Raises:
             ValueError: advantages, old log-probs (of the mini-batches that need them) or reference
-                log-probs (with the KL loss) missing; ``old_logprobs_from_actor`` on a model with dropout.
+                log-probs (with the KL loss) missing; ``old_from_actor`` on a model with dropout.
         """
         num_prompts = len(batch.prompts)
         mini = self.cfg.ppo_mini_batch_size if self.cfg.ppo_mini_batch_size > 0 else num_prompts
         specs = batch.plan_mini_batches(max(1, mini))
-        from_actor = batch.old_logprobs_from_actor
+        from_actor = old_from_actor
         if batch.advantages is None or (batch.old_logprobs is None and not (from_actor and len(specs) == 1)):
             raise ValueError("update_actor needs batch.advantages and batch.old_logprobs (all mini-batches but "
-                             "the first when old_logprobs_from_actor)")
+                             "the first when old_from_actor)")
         if from_actor and has_dropout(self.actor.config.to_dict()):
-            raise ValueError("old_logprobs_from_actor: the checkpoint has dropout, so the training forward is "
+            raise ValueError("old_from_actor: the checkpoint has dropout, so the training forward is "
                              "not the old policy; set actor.recompute_old_log_prob=true")
         use_kl = self.algo.use_kl_loss and self.ref is not None
         if use_kl and batch.ref_logprobs is None:
