@@ -109,3 +109,31 @@ def test_tiny_cpu_frozenlake_learns(embedded_assets, run_cli, tmp_path):
     success = [r["env/success_rate"] for r in read_metrics_jsonl(tmp_path / "metrics.jsonl")]
     assert len(success) == 8 and success[0] <= 0.15, success
     assert max(success[5:]) >= 0.5, success
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo", "reinforce_plus_plus"])
+def test_advantages_are_taken_over_the_seed_groups(estimator):
+    """Trajectory rows are prompt groups of one; the advantages of every estimator come out as for a
+    batch whose groups are the seeds (rows 0-3 seed 0, rows 4-7 seed 1), masks with holes included."""
+    from rollplex_train.algo.advantages import known_adv_estimators
+    from rollplex_train.config import AlgorithmConfig, Config
+    from rollplex_train.data.types import PromptSample, VisionInputs
+    from rollplex_train.runtime.batching import step_advantages
+
+    assert estimator in known_adv_estimators()
+    cfg = Config(algorithm=AlgorithmConfig(adv_estimator=estimator))
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1]] * 8, dtype=torch.float32)  # turn, observation, turn
+    mask[3, 4:] = 0
+    scores = torch.tensor([1.0, 0.0, -0.1, 1.0, 0.0, 0.0, 1.0, -0.2])
+    seeds = torch.tensor([0] * 4 + [1] * 4)
+    prompts = [PromptSample(uid=f"t:{i}", prompt_ids=torch.tensor([1, 2]), vision=VisionInputs(), ground_truth="")
+               for i in range(8)]
+    rows = TrainBatch(prompts=prompts, group_index=torch.arange(8), response_ids=torch.ones(8, 6, dtype=torch.long),
+                      response_mask=mask)
+    by_seed = TrainBatch(prompts=prompts[:2], group_index=seeds, response_ids=rows.response_ids, response_mask=mask)
+    got, _ = step_advantages(cfg, rows, scores, None, None, None, seeds)
+    want, _ = step_advantages(cfg, by_seed, scores, None, None, None)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    assert (got * (1 - mask)).abs().max() == 0  # nothing on the observations between turns
+    if estimator in ("grpo", "rloo"):
+        assert got[:4].abs().sum() > 0 and got[0, 0] != got[1, 0]
