@@ -590,14 +590,36 @@ class Config:
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
         if self.env.name:
-            raise ValueError(f"env.name={self.env.name!r}: the training step does not run environment rollouts yet "
-                             "(rollout.multiturn.TurnLoop runs them at engine level; docs/envs.md)")
+            self._check_env_run()
         mini = self.actor.ppo_mini_batch_size
         if mini > 0 and self.data.rollout_batch_size % mini != 0:
             raise ValueError(
                 f"actor.ppo_mini_batch_size={mini} must divide data.rollout_batch_size="
                 f"{self.data.rollout_batch_size}"
             )
+
+    def _check_env_run(self) -> None:
+        """Refuse what an environment run (``runtime/envs.py``) cannot honour, one line each."""
+        name = f"env.name={self.env.name!r}"
+        if self.model.shared_prefix:
+            raise ValueError(f"{name}: a trajectory's later frames sit in its training row after its first turn; "
+                             "the shared-prefix passes score responses as text: set model.shared_prefix=false "
+                             "(and schedule.name=serial)")
+        if self.actor.backend != "torch":
+            raise ValueError(f"{name}: environment runs train with actor.backend=torch; got {self.actor.backend!r}")
+        if self.rollout.tensor_parallel_size != 1:
+            raise ValueError(f"{name}: environment runs decode at rollout.tensor_parallel_size=1; "
+                             f"got {self.rollout.tensor_parallel_size}")
+        if self.env.context_window is not None and self.env.context_window < self.env.max_turns:
+            raise ValueError(f"{name}: env.context={self.env.context} drops observations a turn saw; training on "
+                             f"trajectories needs env.context=full or window:<k> with k >= env.max_turns={self.env.max_turns}")
+        if self.trainer.val_freq > 0 or self.trainer.val_before_train:
+            raise ValueError(f"{name}: validation runs single-turn prompts, not environment episodes; set "
+                             "trainer.val_freq=0 trainer.val_before_train=false (env/success_rate is the training "
+                             "trajectories')")
+        if self.rollout.n < 2 and self.algorithm.adv_estimator in ("grpo", "rloo"):
+            raise ValueError(f"{name}: algorithm.adv_estimator={self.algorithm.adv_estimator} compares the rollout.n "
+                             f"trajectories of a seed; got rollout.n={self.rollout.n}")
 
 
 def register_configs() -> None:

@@ -281,6 +281,18 @@ class RolloutGroup:
             following += self._follow(e, "follow_stream", *args)
         return ResponseStream(stream, following)
 
+    def rollout_envs(self, env_cfg, model_path: str, seeds: list[int], params, version: Optional[int],
+                     uid_prefix: str) -> Pending:
+        """``params.n`` environment trajectories per seed, the seeds dealt in contiguous runs over the
+        engines (a TP engine's followers are not driven: environment runs are refused at rollout TP
+        > 1 by ``config``); the combined result is every trajectory, seed-major in ``seeds`` order."""
+        share = -(-len(seeds) // len(self.handles))
+        runs = [seeds[k * share:(k + 1) * share] for k in range(len(self.handles))]
+        calls = [(h, run) for h, run in zip(self.handles, runs) if run]
+        futures = [self.ex.call(h, "rollout_envs", env_cfg, model_path, run, params, version, uid_prefix)
+                   for h, run in calls]
+        return Pending(futures, lambda outs: [t for out in outs for t in out])
+
     def set_threads(self, threads: int) -> Pending:
         """A share change that reaches engines while they decode (applied at their next step)."""
         return Pending([self.ex.call(h, "set_threads", threads, concurrent=True) for h in self.all_handles])

@@ -170,6 +170,17 @@ class RolloutWorker:
         selected list. ``prefixes``: per selected prompt, its KV cache or None (``RolloutEngine.generate``)."""
         return self.compute.run(self.engine.generate, resolve(prompts, indices), params, weights_version, prefixes)
 
+    def rollout_envs(self, env_cfg, model_path: str, seeds: list[int], params: SamplingParams,
+                     weights_version: Optional[int], uid_prefix: str) -> list:
+        """``params.n`` environment trajectories per seed on this engine (``rollout/multiturn.TurnLoop``,
+        built once per ``env`` config): seed-major ``rollout.trajectory.Trajectory`` records."""
+        if getattr(self, "_turn_loop_key", None) != (env_cfg, model_path):
+            from rollplex_train.rollout.multiturn import TurnLoop
+
+            self._turn_loop = TurnLoop.from_config(self.engine, model_path, env_cfg)
+            self._turn_loop_key = (env_cfg, model_path)
+        return self.compute.run(self._turn_loop.rollout, seeds, params, weights_version, uid_prefix)
+
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """The pickled path (``sharing.enabled=false``): copy the received state dict in."""
         self.compute.run(self.engine.update_weights, named_tensors, version)

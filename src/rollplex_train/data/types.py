@@ -107,6 +107,9 @@ class Response:
             (logits / temperature, before top-p/top-k truncation).
         text: decoded response (special tokens skipped).
         finish_reason: ``stop`` (EOS or stop string) or ``length`` (max_new_tokens reached).
+        loss_mask: (R,) float32, 1 on the tokens the policy sampled (None: all of them). A
+            multi-turn trajectory's row (``runtime/envs.py``) holds the observations between its
+            turns with mask 0; they are the sequence's context, not trained.
     """
 
     prompt_index: int
@@ -114,6 +117,7 @@ class Response:
     logprobs: torch.Tensor
     text: str
     finish_reason: str
+    loss_mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -209,7 +213,7 @@ class TrainBatch:
         for i, r in enumerate(responses):
             length = int(r.token_ids.shape[0])
             ids[i, :length] = r.token_ids
-            mask[i, :length] = 1.0
+            mask[i, :length] = 1.0 if r.loss_mask is None else r.loss_mask
             rollout_logprobs[i, :length] = r.logprobs
         return cls(prompts=prompts, group_index=torch.tensor([r.prompt_index for r in responses], dtype=torch.long),
                    response_ids=ids, response_mask=mask, rollout_logprobs=rollout_logprobs)

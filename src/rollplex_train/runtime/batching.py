@@ -35,9 +35,11 @@ def score_responses(reward: RewardManager, batch: TrainBatch, responses: list[Re
 
 
 def step_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor, failed: Optional[torch.Tensor],
-               old: Optional[torch.Tensor], ref: Optional[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+               old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+               groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
     """(N, R) float32 advantages of the configured estimator (KL in the reward if enabled, from the
-    (N, R) old-policy and reference log-probs ``old``/``ref``).
+    (N, R) old-policy and reference log-probs ``old``/``ref``), over the groups ``groups`` ((N,)
+    int64; None: ``batch.group_index``, the prompts; an environment run's: the seeds).
 
     With ``reward.on_failure=exclude`` the responses ``failed`` get advantage 0 and stay out of their
     group's statistics; with ``zero`` they count as scored 0.
@@ -55,7 +57,7 @@ def step_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor, failed
     advantages, returns = compute_advantages(
         algo.adv_estimator,
         scores=scores,
-        group_index=batch.group_index,
+        group_index=batch.group_index if groups is None else groups,
         response_mask=batch.response_mask,
         norm_adv_by_std=algo.norm_adv_by_std,
         gamma=algo.gamma,

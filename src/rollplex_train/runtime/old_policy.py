@@ -60,8 +60,10 @@ def reuse_actor_forward(cfg: Config, hf_config: Optional[dict] = None) -> bool:
 
 def groups_per_mini_batch(cfg: Config, num_groups: int) -> int:
     """Prompt groups in a PPO mini-batch (one optimizer step) of a batch of ``num_groups``
-    (``actor.ppo_mini_batch_size``, -1: all); the first mini-batch is groups ``0 ..`` that many."""
-    mini = cfg.actor.ppo_mini_batch_size
+    (``actor.ppo_mini_batch_size``, -1: all); the first mini-batch is groups ``0 ..`` that many.
+    An environment run's groups are its trajectories (``runtime/envs.py``, one row each): a
+    mini-batch of k seeds is k * ``rollout.n`` of them."""
+    mini = cfg.actor.ppo_mini_batch_size * (cfg.rollout.n if cfg.env.name else 1)
     return num_groups if mini <= 0 else min(mini, num_groups)
 
 

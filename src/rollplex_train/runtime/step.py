@@ -33,6 +33,7 @@ from rollplex_train.algo.rewards import RewardManager
 from rollplex_train.config import Config
 from rollplex_train.data.types import PromptSample, Response, TrainBatch
 from rollplex_train.runtime import batching
+from rollplex_train.runtime.envs import env_rollout, turn_logprob_mismatch
 from rollplex_train.runtime.old_policy import groups_per_mini_batch, old_pass_groups
 from rollplex_train.runtime.planner import place_groups
 from rollplex_train.runtime.protocol import RolloutResult
@@ -168,13 +169,23 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
     version, num = run.weights_version, len(prompts)
     offload = ("optimizer",) if cfg.memory.offload_optimizer else ()
     imbalance: dict[str, float] = {}
+    envs, groups = None, None
     with timer("step", tl.seconds):
         offloaded = w.train.offload_states(offload) if offload else None  # leaves the device as decode starts
-        placed = run.place(prompts)
-        rollout = run.decode.rollout(placed, step, version, tl)
+        if cfg.env.name:  # trajectories: one row (and prompt) each, placed once they exist (runtime/envs.py)
+            envs = env_rollout(cfg, w, prompts, step, version, tl)
+            prompts, num, groups = envs.prompts, len(envs.prompts), envs.seed_index
+            placed = run.place(prompts)
+            rollout = RolloutResult(envs.responses, metrics=envs.metrics)
+        else:
+            placed = run.place(prompts)
+            rollout = run.decode.rollout(placed, step, version, tl)
         batch = TrainBatch.from_responses(prompts, rollout.responses, run.pad_id)
-        with tl.span("reward", "driver"):
-            scores, failed, metrics = batching.score_responses(run.reward, batch, rollout.responses)
+        if envs is not None:  # the environment's return is the score
+            scores, failed, metrics = envs.scores, None, {}
+        else:
+            with tl.span("reward", "driver"):
+                scores, failed, metrics = batching.score_responses(run.reward, batch, rollout.responses)
         metrics.update(rollout.metrics)
         old = None
         old_groups = old_pass_groups(cfg, num, run.old_from_actor)
@@ -188,8 +199,10 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
             with tl.span("ref", "train"):
                 ref, more = log_prob_phase(run, placed, batch, "ref", list(range(num)), rollout.log_probs.get("ref", {}))
                 imbalance.update(more)
+        if envs is not None and old is not None:
+            metrics.update(turn_logprob_mismatch(envs.trajectories, old, old_groups))
         with tl.span("adv", "driver"):
-            advantages, more = batching.step_advantages(cfg, batch, scores, failed, old, ref)
+            advantages, more = batching.step_advantages(cfg, batch, scores, failed, old, ref, groups)
             metrics.update(more)
         batch = dataclasses.replace(batch, reward_failed=failed, old_logprobs=old, ref_logprobs=ref,
                                     advantages=advantages)
