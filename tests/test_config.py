@@ -8,7 +8,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from rollplex_train.cli import conf_dir
-from rollplex_train.config import Config, register_configs, to_config
+from rollplex_train.config import Config, hydra_version_base, register_configs, to_config
 from rollplex_train.resolve import resolve
 
 EXPERIMENTS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
@@ -16,7 +16,7 @@ EXPERIMENTS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
 
 def _compose(overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         cfg = compose(config_name="config", overrides=["trainer.output_dir=/tmp/unused", *overrides])
     return resolve(to_config(cfg))  # as a run sees it: derived values resolved (rollplex_train.resolve)
 

@@ -179,10 +179,10 @@ def test_env_config_group_composes_and_a_run_refuses_what_it_cannot_honour(optio
     from omegaconf import OmegaConf
 
     from rollplex_train.cli import conf_dir
-    from rollplex_train.config import EnvConfig, register_configs, to_config
+    from rollplex_train.config import EnvConfig, hydra_version_base, register_configs, to_config
 
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         cfg = compose(config_name="config", overrides=["trainer.output_dir=/tmp/unused", f"env={option}"])
     env = EnvConfig(**OmegaConf.to_container(cfg.env))
     assert (env.name, env.context_window, env.max_actions_per_turn) == (name, context, 3)

@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from rollplex_train.cli import conf_dir
-from rollplex_train.config import register_configs, to_config
+from rollplex_train.config import hydra_version_base, register_configs, to_config
 from rollplex_train.memory.groups import PHASES, step_groups
 from rollplex_train.memory.measure import live_tensor_bytes, peak_allocation
 from rollplex_train.memory.offload import ModuleOffloader
@@ -26,7 +26,7 @@ N, NEW_TOKENS, MICRO = 8, 32, 16  # 2 "count" prompts (112x112 images) x 8 respo
 
 def _config(ckpt, prompt_tokens, *extra):
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         return to_config(compose(config_name="config", overrides=[
             "trainer.output_dir=/tmp/unused", "+experiment=tiny_cpu", f"model.path={ckpt}", "data.rollout_batch_size=2",
             f"rollout.n={N}", f"rollout.max_new_tokens={NEW_TOKENS}", f"actor.micro_batch_size={MICRO}",

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from rollplex_train.cli import conf_dir
-from rollplex_train.config import register_configs, to_config
+from rollplex_train.config import hydra_version_base, register_configs, to_config
 from rollplex_train.memory.groups import step_groups
 from rollplex_train.memory.report import report
 from rollplex_train.models.arch import load_hf_config
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _config(*overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         return to_config(compose(config_name="config", overrides=["trainer.output_dir=/tmp/unused", *overrides]))
 
 

@@ -24,7 +24,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from rollplex_train.cli import conf_dir
-from rollplex_train.config import register_configs, to_config
+from rollplex_train.config import hydra_version_base, register_configs, to_config
 from rollplex_train.paths import resolve_config_paths
 from rollplex_train.runtime.old_policy import old_read_before_update, reuse_actor_forward
 from rollplex_train.tracking.loggers import read_metrics_jsonl
@@ -45,7 +45,7 @@ COMPARED = ("critic/kl", "critic/advantages/mean", "critic/advantages/max", "cri
 
 def _config(overrides: list[str]):
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         cfg = compose(config_name="config", overrides=["+experiment=tiny_cpu", *overrides])
     return resolve_config_paths(to_config(cfg), conf_dir().parent)
 

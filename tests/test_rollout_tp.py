@@ -219,13 +219,13 @@ def test_config_refuses_what_a_tp_builtin_engine_cannot_honour(overrides, messag
     from hydra import compose, initialize_config_dir
 
     from rollplex_train.cli import conf_dir
-    from rollplex_train.config import register_configs, to_config
+    from rollplex_train.config import hydra_version_base, register_configs, to_config
     from rollplex_train.resolve import resolve  # the engines' own refusals (BuiltinRolloutEngine.check_config)
 
     base = ["trainer.output_dir=/tmp/unused", "cluster.devices_per_node=2", "rollout.tensor_parallel_size=2",
             "sharing.enabled=false", "schedule=serial"]
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         ok = resolve(to_config(compose("config", [*base, "actor.backend=megatron", "actor.tensor_parallel_size=2"])))
         assert ok.rollout.tensor_parallel_size == 2 and not ok.rollout.share_prompt_kv
         with pytest.raises(ValueError, match=message):

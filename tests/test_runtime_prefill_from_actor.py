@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from rollplex_train.cli import conf_dir
-from rollplex_train.config import register_configs, to_config
+from rollplex_train.config import hydra_version_base, register_configs, to_config
 from rollplex_train.resolve import resolve
 from rollplex_train.runtime.window import PrefillBudgetError, WindowPlanner
 
@@ -19,7 +19,7 @@ class _Planner:
 
     def __init__(self, *overrides: str, bytes_per_token: float = 0.0):
         register_configs()
-        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
             cfg = resolve(to_config(compose(config_name="config", overrides=[
                 "trainer.output_dir=/tmp/unused", "+experiment=tiny_cpu", "schedule=rollplex",
                 "data.rollout_batch_size=4", "actor.ppo_mini_batch_size=2", *overrides])))

@@ -86,7 +86,7 @@ def embedded_runs(embedded_assets, tmp_path_factory):
     from hydra import compose, initialize_config_dir
 
     from rollplex_train.cli import conf_dir
-    from rollplex_train.config import register_configs, to_config
+    from rollplex_train.config import hydra_version_base, register_configs, to_config
     from rollplex_train.tracking.loggers import read_metrics_jsonl
     from rollplex_train.trainer import Trainer
 
@@ -97,7 +97,7 @@ def embedded_runs(embedded_assets, tmp_path_factory):
     try:
         for enabled in (True, False):
             out = tmp_path_factory.mktemp("run") / f"sharing_{enabled}"
-            with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
                 cfg = to_config(compose(config_name="config", overrides=[
                     "+experiment=tiny_cpu", f"trainer.output_dir={out}", "trainer.total_steps=2",
                     "trainer.val_freq=0", "trainer.save_freq=0", "trainer.val_before_train=false",

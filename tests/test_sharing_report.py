@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from rollplex_train.cli import conf_dir
-from rollplex_train.config import register_configs, to_config
+from rollplex_train.config import hydra_version_base, register_configs, to_config
 from rollplex_train.models.arch import load_hf_config, parameter_shapes
 from rollplex_train.models.layouts import Dims
 from rollplex_train.sharing.report import (DEGREES, _pcts, device_totals, layouts_of, rebuilt_bytes_per_device, report,
@@ -23,7 +23,7 @@ LAST = re.compile(r"^sharing: t=(\d+) r=(\d+) view=([\d.]+)% rebuild=([\d.]+)% g
 
 def _config(*overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         return to_config(compose(config_name="config", overrides=["trainer.output_dir=/tmp/unused", *overrides]))
 
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from omegaconf.errors import ConfigKeyError
 
 from rollplex_train.cli import conf_dir
-from rollplex_train.config import ModelConfig, register_configs, to_config
+from rollplex_train.config import ModelConfig, hydra_version_base, register_configs, to_config
 from rollplex_train.memory import estimate as est
 from rollplex_train.models.arch import load_hf_config
 from rollplex_train.runtime.planner import PhasePlanner
@@ -38,7 +38,7 @@ def hf32b():
 
 def _config(*overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         return to_config(compose(config_name="config", overrides=["trainer.output_dir=/tmp/unused", *overrides]))
 
 

@@ -114,14 +114,17 @@ def config_error_line(err: BaseException) -> str:
     """One line for a config Hydra could not compose (a misspelt key, a value of the wrong type, an
     unknown group option, bad override syntax): Hydra's message without its hint to append the key
     with ``+`` (the schema refuses unknown keys either way), then OmegaConf's cause, then the
-    options of a missing group entry."""
+    options of a missing group entry. The same line on Hydra 1.3 and 1.4, except for OmegaConf 2.4's
+    own "Did you mean: ..." suggestion after a misspelt key."""
     from hydra.errors import MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
     lines = [ln.strip() for ln in str(err).splitlines()]
     if isinstance(err, MissingConfigException):
         lines = lines[:1]  # "In 'config': Could not find 'schedule/bogus'"; the options follow
-    lines = [ln for ln in lines if ln and not ln.startswith("To append to your config")]
+    # dropped: the hint to append with ``+`` and Hydra 1.4's "Error when parsing index: <i>, string:
+    # <override> out of [<all overrides>]." (the override is named once, below)
+    lines = [ln for ln in lines if ln and not ln.startswith(("To append to your config", "Error when parsing index"))]
     if isinstance(err.__cause__, OmegaConfBaseException):
         lines.append(str(err.__cause__).splitlines()[0].strip())
     text = " ".join(dict.fromkeys(lines))
@@ -142,7 +145,7 @@ def _hydra_main(task, program: str) -> None:
     from hydra.errors import CompactHydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from rollplex_train.config import register_configs
+    from rollplex_train.config import hydra_version_base, register_configs
 
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing and exiting 1
@@ -155,7 +158,7 @@ def _hydra_main(task, program: str) -> None:
         task(cfg)
 
     try:
-        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(run)()
+        hydra.main(config_path=str(conf_dir()), config_name="config", **hydra_version_base())(run)()
     except (CompactHydraException, OmegaConfBaseException, ValueError) as err:
         # a ValueError before the task started is Hydra's own (``=3``: "Config group override must
         # be a string or a list"); one raised by the task keeps its traceback

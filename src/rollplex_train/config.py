@@ -623,11 +623,30 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schema with Hydra's ConfigStore under the name ``rollplex_schema``."""
+    """Register the schema with Hydra's ConfigStore under the name ``rollplex_schema``, once per process.
+
+    A second ``store`` of the same name warns on Hydra 1.4 and is an error on 1.5 (Hydra's
+    "config_store_collisions" upgrade note), so a registered schema is left as it is.
+    """
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="rollplex_schema", node=Config)
+    if "rollplex_schema.yaml" not in cs.repo:
+        cs.store(name="rollplex_schema", node=Config)
+
+
+def hydra_version_base() -> dict[str, str]:
+    """The ``version_base`` keyword for ``hydra.main`` and ``initialize_config_dir``, as a dict to splat.
+
+    Hydra 1.3 needs ``version_base="1.3"`` (without it the 1.1 defaults apply: the job changes into
+    its run directory). Hydra 1.4 deprecates the parameter and warns for any value it is given
+    (``hydra/version.py`` ``setbase`` in 1.4.0.dev9, ``Hydra15MigrationWarning``); its defaults keep
+    1.3's behaviour for this project (``hydra.job.chdir=False``), so nothing is passed there.
+    """
+    import hydra
+
+    major, minor = (int(part) for part in hydra.__version__.split(".")[:2])
+    return {"version_base": "1.3"} if (major, minor) < (1, 4) else {}
 
 
 def to_config(cfg: DictConfig) -> Config:

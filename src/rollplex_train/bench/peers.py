@@ -47,10 +47,10 @@ def compose_config(experiment: str, overrides: list[str]) -> Config:
     from hydra import compose, initialize_config_dir
 
     from rollplex_train.cli import conf_dir
-    from rollplex_train.config import register_configs, to_config
+    from rollplex_train.config import hydra_version_base, register_configs, to_config
 
     register_configs()
-    with initialize_config_dir(str(conf_dir()), version_base=None):
+    with initialize_config_dir(str(conf_dir()), **hydra_version_base()):
         return to_config(compose("config", [f"+experiment={experiment}", "trainer.output_dir=.", *overrides]))
 
 
