@@ -54,7 +54,7 @@ def test_trajectory_rows_score_every_turn_like_the_engine(embedded_assets):
 
 
 def test_an_env_run_refuses_what_it_cannot_honour():
-    from rollplex_train.config import Config, ModelConfig, TrainerConfig
+    from rollplex_train.config import Config, ModelConfig, ScheduleConfig, TrainerConfig
 
     quiet = TrainerConfig(val_freq=0, val_before_train=False)
     with pytest.raises(ValueError, match=r"^env.name='frozenlake': a trajectory's later frames .* model.shared_prefix=false"):
@@ -64,6 +64,12 @@ def test_an_env_run_refuses_what_it_cannot_honour():
     with pytest.raises(ValueError, match=r"env.context=window:2 drops observations"):
         Config(env=EnvConfig(**dict(FROZENLAKE, context="window:2")), trainer=quiet)
     assert Config(env=EnvConfig(**FROZENLAKE), trainer=quiet).env.name == "frozenlake"
+    # rollplex scores an env run's turns with its own prefix passes (runtime/env_window.py), not the shared-prefix ones
+    assert Config(env=EnvConfig(**FROZENLAKE), trainer=quiet, schedule=ScheduleConfig(name="rollplex")).schedule.name == "rollplex"
+    with pytest.raises(ValueError, match=r"^env.name='frozenlake': schedule.prefill_from_actor=true hands"):
+        Config(env=EnvConfig(**FROZENLAKE), trainer=quiet, schedule=ScheduleConfig(name="rollplex", prefill_from_actor="true"))
+    with pytest.raises(ValueError, match=r"^schedule.name=rollplex moves prefix work into decode"):
+        Config(schedule=ScheduleConfig(name="rollplex"))
 
 
 VOLATILE = ("timing_s/", "perf/", "sharing/", "memory/")
@@ -95,6 +101,29 @@ def test_env_run_dp2_trains_like_dp1(embedded_assets, run_cli, tmp_path):
               for d in ("dp1", "dp2"))
     for name, value in w1.items():
         assert (w2[name] - value).abs().max() <= 1e-5, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_env_run_under_rollplex_samples_what_serial_does(embedded_assets, run_cli, tmp_path):
+    """Same seeds: the same tokens and scores under both schedules (rollout dumps, 2 steps); under
+    rollplex the old-policy log-probs of the rows outside the first mini-batch come from the turn-by-turn
+    scoring inside the rollout and equal the engine's on every turn within 1e-5."""
+    pytest.importorskip("gymnasium")
+    common = ["trainer.total_steps=2", "trainer.loggers=[jsonl]", "data.rollout_batch_size=2", "rollout.n=4",
+              "actor.ppo_mini_batch_size=1", "cluster.executor=inprocess", "cluster.threads_per_device=2",
+              "trainer.rollout_data_dir=dumps"]
+    for schedule in ("serial", "rollplex"):
+        proc = run_cli(tmp_path / schedule, *common, f"schedule={schedule}", experiment="tiny_cpu_frozenlake")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    for step in (1, 2):
+        serial, planned = ((tmp_path / s / "dumps" / f"{step}.jsonl").read_text() for s in ("serial", "rollplex"))
+        assert planned == serial and serial.count("token_ids") == 8
+    for row in read_metrics_jsonl(tmp_path / "rollplex" / "metrics.jsonl"):
+        diffs = {k: v for k, v in row.items() if k.startswith("env/logprob_diff_max/")}
+        assert len(diffs) >= 2 and max(diffs.values()) <= 1e-5, diffs
+        assert row["envs/turn_scoring_calls"] >= 3 and row["envs/turn_scoring_tokens"] > 0
+        assert 0.0 <= row["envs/turn_scoring_hidden_frac"] <= 1.0
 
 
 @pytest.mark.slow

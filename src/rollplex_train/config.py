@@ -587,7 +587,7 @@ class Config:
         from rollplex_train.parallel import ParallelLayout
 
         ParallelLayout.from_config(self)  # degrees that do not fit the devices fail here, naming the keys
-        if self.schedule.name == "rollplex" and not self.model.shared_prefix:
+        if self.schedule.name == "rollplex" and not self.model.shared_prefix and not self.env.name:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
         if self.env.name:
             self._check_env_run()
@@ -604,7 +604,11 @@ class Config:
         if self.model.shared_prefix:
             raise ValueError(f"{name}: a trajectory's later frames sit in its training row after its first turn; "
                              "the shared-prefix passes score responses as text: set model.shared_prefix=false "
-                             "(and schedule.name=serial)")
+                             "(schedule.name=rollplex scores an environment run's turns with its own prefix "
+                             "passes, runtime/env_window.py)")
+        if self.schedule.name == "rollplex" and self.schedule.prefill_from_actor == "true":
+            raise ValueError(f"{name}: schedule.prefill_from_actor=true hands single-turn prompt prefixes to the "
+                             "rollout; an environment run's turns are prefilled by the engine: set it to auto or false")
         if self.actor.backend != "torch":
             raise ValueError(f"{name}: environment runs train with actor.backend=torch; got {self.actor.backend!r}")
         if self.rollout.tensor_parallel_size != 1:

@@ -173,10 +173,14 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
     with timer("step", tl.seconds):
         offloaded = w.train.offload_states(offload) if offload else None  # leaves the device as decode starts
         if cfg.env.name:  # trajectories: one row (and prompt) each, placed once they exist (runtime/envs.py)
-            envs = env_rollout(cfg, w, prompts, step, version, tl)
+            roles, rows = None, frozenset()
+            if cfg.schedule.name == "rollplex":  # each turn's context scored while it decodes (runtime/env_window.py)
+                rows = frozenset(old_pass_groups(cfg, num * cfg.rollout.n, run.old_from_actor))
+                roles = (["actor"] if rows else []) + (["ref"] if cfg.algorithm.needs_reference else [])
+            envs = env_rollout(cfg, w, prompts, step, version, tl, roles, rows)
             prompts, num, groups = envs.prompts, len(envs.prompts), envs.seed_index
             placed = run.place(prompts)
-            rollout = RolloutResult(envs.responses, metrics=envs.metrics)
+            rollout = RolloutResult(envs.responses, envs.log_probs, metrics=envs.metrics)
         else:
             placed = run.place(prompts)
             rollout = run.decode.rollout(placed, step, version, tl)
@@ -216,7 +220,8 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
             imbalance["timing_s/update_actor_imbalance"] = pending.imbalance()
         with tl.span("update_weights", "rollout"):
             sync_metrics = run.sync_weights(version + 1)
-    run.decode.observe(rollout, batch, placed, tl)
+    if envs is None:  # the planner's cost model learns from single-turn steps only
+        run.decode.observe(rollout, batch, placed, tl)
     computed = batch.rows_of(old_groups) if old_groups else None  # rows whose old log-probs were computed
     return StepResult(report(run, batch, rollout.responses, tl, metrics, imbalance, sync_metrics, computed), tl,
                       batch, rollout.responses, scores)
