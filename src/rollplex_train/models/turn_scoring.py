@@ -55,9 +55,8 @@ class TurnScorer:
         """Bytes of the cached keys and values."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    @torch.no_grad()
     def extend(self, ids: torch.Tensor, sampled: torch.Tensor, vision: VisionInputs) -> torch.Tensor:
-        """Score the tokens of ``ids`` past the cache and add them to it.
+        """Score the tokens of ``ids`` past the cache and add them to it (:func:`extend_all` of one).
 
         Args:
             ids: (L',) int64 the trajectory so far; ``ids[:scored]`` must be what was scored before.
@@ -69,39 +68,95 @@ class TurnScorer:
             (L' - scored,) float32 log-probs of the new tokens (token 0 of the trajectory: 0).
 
         Raises:
-            ValueError: ``ids`` shorter than what is scored, or placeholders that disagree with the
-                new images.
+            ValueError: as :func:`extend_all`.
         """
-        start, end = self.scored, int(ids.shape[0])
-        if end < start:
-            raise ValueError(f"TurnScorer.extend: {end} ids, but {start} are scored already")
-        if end == start:
-            return torch.zeros(0)
-        model, dev = self.model, model_device(self.model)
-        ids, slots = ids.to(dev).unsqueeze(0), (~sampled.bool()).to(dev).unsqueeze(0)
-        positions, _ = rope_positions(model, ids, torch.ones_like(ids), vision.to(dev), slots)
-        fresh = images_from(vision, self.images)
-        embeds = embed_with_vision(model, ids[:, start:], fresh.to(dev), vision_grad=False,
-                                   vision_mask=slots[:, start:])
-        from transformers import DynamicCache
+        return extend_all([self], [(ids, sampled, vision)])[0]
 
-        layers = list(zip(self.keys, self.values)) if start else None
-        cache = DynamicCache(ddp_cache_data=layers, config=model.config) if layers else DynamicCache(config=model.config)
-        text = model.model.language_model
-        out = text(inputs_embeds=embeds, attention_mask=torch.ones((1, end), dtype=torch.long, device=dev),
-                   position_ids=positions[:, :, start:], use_cache=True, **cache_kwargs(text, cache))
-        hidden = out.last_hidden_state  # (1, n, H): position p scores token p + 1
-        prev = hidden[:, :0] if self.last_hidden is None else self.last_hidden
-        scoring = torch.cat([prev, hidden[:, :-1]], dim=1)  # scores tokens start (or start + 1) .. end - 1
-        targets = ids[:, end - scoring.shape[1]:]
+
+@torch.no_grad()
+def extend_all(scorers: list[TurnScorer], inputs: list[tuple]) -> list[torch.Tensor]:
+    """:meth:`TurnScorer.extend` of several trajectories in one batched forward (one model).
+
+    The new tokens are right-padded to the longest; the caches are left-padded to the longest, the
+    attention mask hiding both pads (the layout of ``models.prefix.score_suffix``). Each scorer
+    keeps its own real columns.
+
+    Args:
+        scorers: B scorers of one model. inputs: per scorer ``(ids, sampled, vision)`` as in
+            :meth:`TurnScorer.extend`.
+
+    Returns:
+        per scorer, (L'_b - scored_b,) float32 log-probs of its new tokens.
+
+    Raises:
+        ValueError: ids shorter than what a scorer holds, scorers of different models, or
+            placeholders that disagree with the new images.
+    """
+    from transformers import DynamicCache
+
+    model = scorers[0].model
+    if any(s.model is not model for s in scorers):
+        raise ValueError("extend_all: the scorers of one call must share their model")
+    for s, (ids, _, _) in zip(scorers, inputs):
+        if int(ids.shape[0]) < s.scored:
+            raise ValueError(f"TurnScorer.extend: {int(ids.shape[0])} ids, but {s.scored} are scored already")
+    work = [b for b, (s, (ids, _, _)) in enumerate(zip(scorers, inputs)) if int(ids.shape[0]) > s.scored]
+    out = [torch.zeros(0) for _ in scorers]
+    if not work:
+        return out
+    dev, pad = model_device(model), model.config.get_text_config().pad_token_id or 0
+    rows, masks, positions, visions, lengths = [], [], [], [], []
+    for b in work:
+        s, (ids, sampled, vision) = scorers[b], inputs[b]
+        ids1, slots = ids.to(dev).unsqueeze(0), (~sampled.bool()).to(dev).unsqueeze(0)
+        pos, _ = rope_positions(model, ids1, torch.ones_like(ids1), vision.to(dev), slots)
+        rows.append(ids1[0, s.scored:])
+        masks.append(slots[0, s.scored:])
+        positions.append(pos[:, 0, s.scored:])
+        visions.append(images_from(vision, s.images))
+        lengths.append(int(ids.shape[0]) - s.scored)
+    n, width = max(lengths), max(scorers[b].scored for b in work)
+    new_ids = torch.full((len(work), n), pad, dtype=torch.long, device=dev)
+    slots = torch.zeros((len(work), n), dtype=torch.bool, device=dev)
+    position_ids = torch.zeros((3, len(work), n), dtype=torch.long, device=dev)
+    attention = torch.zeros((len(work), width + n), dtype=torch.long, device=dev)
+    for k, b in enumerate(work):
+        length, held = lengths[k], scorers[b].scored
+        new_ids[k, :length], slots[k, :length], position_ids[:, k, :length] = rows[k], masks[k], positions[k]
+        position_ids[:, k, length:] = positions[k][:, -1:]  # pad columns: any position, masked
+        attention[k, width - held:width + length] = 1
+    embeds = embed_with_vision(model, new_ids, VisionInputs.concat(visions).to(dev), vision_grad=False,
+                               vision_mask=slots)
+    cache = DynamicCache(config=model.config)
+    if width:
+        held = next(scorers[b] for b in work if scorers[b].scored)  # any cache: its (1, K, ., D) shape
+
+        def stacked(kind: str, layer: int) -> torch.Tensor:  # (B, K, width, D), each cache left-padded
+            parts = [getattr(scorers[b] if scorers[b].scored else held, kind)[layer][:, :, :scorers[b].scored]
+                     for b in work]
+            return torch.cat([torch.nn.functional.pad(t, (0, 0, width - t.shape[2], 0)) for t in parts])
+
+        cache = DynamicCache(ddp_cache_data=[(stacked("keys", l), stacked("values", l)) for l in range(len(held.keys))],
+                             config=model.config)
+    text = model.model.language_model
+    result = text(inputs_embeds=embeds, attention_mask=attention, position_ids=position_ids, use_cache=True,
+                  **cache_kwargs(text, cache))
+    hidden = result.last_hidden_state  # (B, n, H): column p scores new token p + 1
+    for k, b in enumerate(work):
+        s, length, held = scorers[b], lengths[k], scorers[b].scored
+        h = hidden[k:k + 1, :length]
+        prev = h[:, :0] if s.last_hidden is None else s.last_hidden
+        scoring = torch.cat([prev, h[:, :-1]], dim=1)  # scores new tokens 0 (or 1) .. length - 1
+        targets = rows[k][length - scoring.shape[1]:].unsqueeze(0)
         logp, _ = logprobs_from_hidden(model, scoring, targets, torch.ones_like(targets, dtype=torch.float32),
-                                       self.temperature, with_entropy=False)
-        self.keys = [layer.keys for layer in cache.layers]
-        self.values = [layer.values for layer in cache.layers]
-        self.last_hidden, self.scored = hidden[:, -1:], end
-        self.images = vision.num_images
-        head = torch.zeros(end - start - logp.shape[1])  # token 0 of the trajectory has no score
-        return torch.cat([head, logp[0].float().cpu()])
+                                       s.temperature, with_entropy=False)
+        keep = slice(width - held, width + length)
+        s.keys = [layer.keys[k:k + 1, :, keep] for layer in cache.layers]
+        s.values = [layer.values[k:k + 1, :, keep] for layer in cache.layers]
+        s.last_hidden, s.scored = h[:, -1:], held + length
+        s.images = inputs[b][2].num_images
+        out[b] = torch.cat([torch.zeros(length - logp.shape[1]), logp[0].float().cpu()])
+    return out
 
 
 def images_from(vision: VisionInputs, first: int) -> VisionInputs:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollplex_train.models.turn_scoring import TurnScorer
+from rollplex_train.models.turn_scoring import TurnScorer, extend_all
 
 
 @dataclass
@@ -68,13 +68,12 @@ class TurnStore:
         start, tokens, out = time.perf_counter(), 0, {role: {} for role in roles}
         for role, model in zip(roles, self._models(roles)):
             model.eval()
-            for item in items:
-                head = (role, item.uids[0])
-                scorer = self.scorers.get(head) or TurnScorer(model, temperature)
-                before = scorer.scored
-                with self.compute():
-                    piece = scorer.extend(item.ids, item.sampled, item.vision)
-                tokens += scorer.scored - before
+            scorers = [self.scorers.get((role, item.uids[0])) or TurnScorer(model, temperature) for item in items]
+            before = sum(s.scored for s in scorers)
+            with self.compute():
+                pieces = extend_all(scorers, [(item.ids, item.sampled, item.vision) for item in items])
+            tokens += sum(s.scored for s in scorers) - before
+            for item, scorer, piece in zip(items, scorers, pieces):
                 for uid in item.uids:  # turn 0: the seed's G trajectories share the pass
                     key = (role, uid)
                     self.scorers[key] = scorer if uid == item.uids[0] else copy.copy(scorer)
