@@ -17,6 +17,7 @@ from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
 from rollplex_train.rollout.multiturn import TurnLoop
 from rollplex_train.runtime.envs import trajectory_row, turn_logprob_mismatch
+from rollplex_train.runtime.timeline import Timeline
 from rollplex_train.tracking.loggers import read_metrics_jsonl
 
 FROZENLAKE = dict(name="frozenlake", kwargs={"desc": ["SFG", "FHF", "FFF"], "is_slippery": False}, max_turns=3,
@@ -112,7 +113,7 @@ def test_env_run_under_rollplex_samples_what_serial_does(embedded_assets, run_cl
     pytest.importorskip("gymnasium")
     common = ["trainer.total_steps=2", "trainer.loggers=[jsonl]", "data.rollout_batch_size=2", "rollout.n=4",
               "actor.ppo_mini_batch_size=1", "cluster.executor=inprocess", "cluster.threads_per_device=2",
-              "trainer.rollout_data_dir=dumps"]
+              "trainer.rollout_data_dir=dumps", "trainer.trace_steps=[2]"]
     for schedule in ("serial", "rollplex"):
         proc = run_cli(tmp_path / schedule, *common, f"schedule={schedule}", experiment="tiny_cpu_frozenlake")
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -124,6 +125,9 @@ def test_env_run_under_rollplex_samples_what_serial_does(embedded_assets, run_cl
         assert len(diffs) >= 2 and max(diffs.values()) <= 1e-5, diffs
         assert row["envs/turn_scoring_calls"] >= 3 and row["envs/turn_scoring_tokens"] > 0
         assert 0.0 <= row["envs/turn_scoring_hidden_frac"] <= 1.0
+    trace = Timeline.from_chrome_trace(tmp_path / "rollplex" / "traces" / "step_2.json")
+    names = {s.name for s in trace.spans if s.row == "train"}
+    assert {"score(turn0)", "score(turn1)", "score(last responses)"} <= names
 
 
 @pytest.mark.slow

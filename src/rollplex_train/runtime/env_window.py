@@ -63,9 +63,9 @@ def overlapped_env_rollout(cfg: Config, workers, prompts: list[PromptSample], st
     seeds = [env_seed(p) for p in prompts]
     position, n, dp_size = {s: i for i, s in enumerate(seeds)}, cfg.rollout.n, workers.train.dp_size
     temperature, full = cfg.rollout.temperature, (workers.threads, workers.threads)
-    calls, per_engine = [], {}
+    calls, names, per_engine, turn = [], [], {}, defaultdict(int)  # turn: per engine, the turns started
 
-    def send(items: list, final: bool = False) -> None:
+    def send(items: list, name: str, final: bool = False) -> None:
         batches = defaultdict(list)  # (dp, roles) -> items
         for item in items:
             rows = [row_of(uid, position, n) for uid in item.uids]
@@ -74,6 +74,7 @@ def overlapped_env_rollout(cfg: Config, workers, prompts: list[PromptSample], st
                 batches[(position[item.seed] % dp_size, mine)].append(item)
         for (dp, mine), batch in batches.items():
             calls.append(workers.train.score_turns(dp, batch, list(mine), version, temperature, final))
+            names.append(name)
 
     if roles:
         workers.share_threads(*workers.halves())
@@ -86,7 +87,8 @@ def overlapped_env_rollout(cfg: Config, workers, prompts: list[PromptSample], st
                 stream.next_future().result()
                 for engine, item in stream.take():
                     if item and isinstance(item[0], TurnInput):
-                        send(item)
+                        send(item, f"score(turn{turn[engine]})")
+                        turn[engine] += 1
                     else:
                         per_engine[engine] = item
             gen_end = timeline.now()
@@ -100,7 +102,8 @@ def overlapped_env_rollout(cfg: Config, workers, prompts: list[PromptSample], st
     trajectories = [t for e in sorted(per_engine) for t in per_engine[e]]
     window = len(calls)
     with timeline.span("suffix_after", "train"):
-        send([TurnInput(t.env_seed, (t.uid,), t.ids, t.loss_mask.bool(), t.vision) for t in trajectories], final=True)
+        send([TurnInput(t.env_seed, (t.uid,), t.ids, t.loss_mask.bool(), t.vision) for t in trajectories],
+             "score(last responses)", final=True)
         results = [c.result() for c in calls]
     log_probs: dict[str, dict[int, torch.Tensor]] = {role: {} for role in roles}
     for r in results[window:]:
@@ -109,17 +112,19 @@ def overlapped_env_rollout(cfg: Config, workers, prompts: list[PromptSample], st
                 row = row_of(uid, position, n)
                 start = int(trajectories[row].turns[0].input_ids.shape[0])
                 log_probs[role][row] = logp[start:].unsqueeze(0)
-    return trajectories, log_probs, turn_metrics(results, gen_start, gen_end, timeline)
+    return trajectories, log_probs, turn_metrics(results, names, gen_start, gen_end, timeline)
 
 
-def turn_metrics(results: list, gen_start: float, gen_end: float, timeline: Timeline) -> dict[str, float]:
-    """The calls' spans on ``timeline`` (``score_turns`` on the train lane) and the ``envs/turn_scoring_*``
+def turn_metrics(results: list, names: list[str], gen_start: float, gen_end: float,
+                 timeline: Timeline) -> dict[str, float]:
+    """The calls' spans on ``timeline`` (train lane, named ``names``: ``score(turn<k>)``, the scoring of
+    the context turn k decodes from, and ``score(last responses)``) and the ``envs/turn_scoring_*``
     metrics: seconds, the fraction inside the rollout's window [``gen_start``, ``gen_end``] (seconds
     from the step's start), tokens scored, calls."""
     seconds = hidden = 0.0
-    for r in results:
+    for r, name in zip(results, names):
         start, end = r.start_time - timeline.origin, r.end_time - timeline.origin
-        timeline.add("score_turns", "train", start, end)
+        timeline.add(name, "train", start, end)
         seconds += end - start
         hidden += max(0.0, min(end, gen_end) - max(start, gen_start))
     return {"envs/turn_scoring_s": seconds, "envs/turn_scoring_hidden_frac": hidden / seconds if seconds > 0 else 1.0,
