@@ -85,7 +85,9 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
 
     With ``sharing.enabled`` all workers get one fresh random multiprocessing authkey: the
     shared-memory handles of the weights are fetched from a train worker over a connection that
-    checks it.
+    checks it. In-process workers keep the driver's key: changing a process's key after its
+    ``multiprocessing.resource_sharer`` listener started makes every later handle fetch fail
+    ("digest sent was rejected").
 
     Raises:
         TimeoutError: the Ray cluster cannot hold the devices.
@@ -98,7 +100,7 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
     if cfg.cluster.executor == "inprocess" or cfg.cluster.address is None:  # the workers' machine is this one
         check_machine(share)  # a share it cannot give fails before any worker starts
     threads = layout.threads_per_device
-    authkey = os.urandom(32) if cfg.sharing.enabled else None
+    authkey = os.urandom(32) if cfg.sharing.enabled and cfg.cluster.executor != "inprocess" else None
     if cfg.cluster.executor == "inprocess":
         from rollplex_train.cluster.executors import InProcessExecutor
 
