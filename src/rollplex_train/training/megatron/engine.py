@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.device import layout_device
 from rollplex_train.models.loading import load_model, load_tokenizer
-from rollplex_train.models.megatron_convert import gpt_key, is_language_model, layout_tensors, megatron_to_hf
+from rollplex_train.models.megatron_convert import join_ranks, layout_tensors
 from rollplex_train.parallel import ParallelLayout
 from rollplex_train.training.backend import PrefixFunctions
 from rollplex_train.training.base import register_train_engine
@@ -162,16 +162,13 @@ class MegatronBackend:
         return layout_tensors(gpt, vision, self.conversion, self.tp_rank, self.te_names)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """Full HF tensors of the actor (language model joined over TP; collective), new storage."""
+        """Full HF tensors of the actor (split tensors joined over TP; collective), new storage."""
         local = self.local_tensors()
         ranks = [{} for _ in range(self.layout.train_tp)]
-        for name, tensor in local.items():
-            if is_language_model(self.conversion.ranks[self.tp_rank][name].blocks[0].source):
-                for i, part in enumerate(self._gather_tp(tensor)):
-                    ranks[i][gpt_key(name, self.te_names)] = part
-        out = megatron_to_hf(ranks, self.conversion, self.te_names)
-        out.update({n: t.clone() for n, t in local.items() if not is_language_model(n)})
-        return out
+        for name, tensor in local.items():  # every rank holds the same names (layouts.py)
+            for i, part in enumerate(self._gather_tp(tensor)):
+                ranks[i][name] = part
+        return join_ranks(ranks, self.conversion)
 
     def share_plan(self, rollout_kind: str, rollout_tp: int, **options):
         """``sharing.plan.plan_sharing`` from this backend's Megatron layout (t = TP) to
