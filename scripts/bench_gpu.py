@@ -10,9 +10,11 @@ ignore_eos), KL on, one mini-batch. Every schedule starts from the same checkpoi
 nothing on this path imports Hydra/OmegaConf, Ray, datasets, decord or av; checked at the end).
 Rollplex calibrates its cost model in steps 1-3, so steps ``--timed-from``.. are timed.
 
-Device share: ``green`` (each side half the SMs) where torch has green contexts, else ``streams``
-(decode and prefix on separate CUDA streams, no SM cap: then "disaggregated" runs its two halves
-time-shared, not on half the SMs each; the output says which). SM utilisation during decode is the
+Device share: ``--device-share`` (default ``auto``: ``streams`` on a GPU, decode and prefix on
+separate CUDA streams with no SM cap, so "disaggregated" runs its two halves time-shared, not on
+half the SMs each; ``cores`` on CPU). ``green`` caps each side at half the SMs where torch's green
+contexts have streams, but the two halves may hold the same SMs (``device_share.py``); the first
+output line says which share ran. SM utilisation during decode is the
 NVML GPU utilisation (``torch.cuda.utilization``, needs pynvml) sampled every 50 ms inside the
 ``gen`` spans of the timed steps.
 
@@ -93,9 +95,10 @@ def make_prompts(ckpt: Path, step: int, num: int, frames: int, side: int):
 def make_config(args, label: str, ckpt: Path, share: str):
     from rollplex_train.config import (ActorConfig, AlgorithmConfig, ClusterConfig, Config, DataConfig,
                                        ModelConfig, RewardConfig, RolloutConfig, ScheduleConfig, TrainerConfig)
+    from rollplex_train.resolve import resolve
 
     name, shared = SCHEDULES[label]
-    return Config(
+    return resolve(Config(
         model=ModelConfig(path=str(ckpt), shared_prefix=shared, compute_dtype=args.compute_dtype),
         data=DataConfig(train_files="<in-process prompts>", val_files="", rollout_batch_size=args.prompts,
                         shuffle=False),
@@ -107,7 +110,7 @@ def make_config(args, label: str, ckpt: Path, share: str):
         cluster=ClusterConfig(device=args.device, executor="inprocess", device_share=share, threads_per_device=1),
         schedule=ScheduleConfig(name=name),
         trainer=TrainerConfig(seed=1, total_steps=args.steps),
-    )
+    ))
 
 
 class UtilSampler:
@@ -144,7 +147,8 @@ def run_schedule(args, label: str, ckpt: Path, share: str, sampler: UtilSampler,
     from rollplex_train.algo.rewards import RewardManager
     from rollplex_train.cluster.launch import create_workers
     from rollplex_train.models.loading import load_tokenizer
-    from rollplex_train.runtime import make_schedule
+    from rollplex_train.runtime import make_run
+    from rollplex_train.runtime.step import run_step
 
     cfg = make_config(args, label, ckpt, share)
     begin = time.perf_counter()
@@ -152,18 +156,17 @@ def run_schedule(args, label: str, ckpt: Path, share: str, sampler: UtilSampler,
     rows, digest, util = [], None, []
     try:
         reward = RewardManager(cfg.reward.function, cfg.reward.format_weight)
-        schedule = make_schedule(cfg, workers, reward, load_tokenizer(ckpt).pad_token_id)
+        run = make_run(cfg, workers, reward, load_tokenizer(ckpt).pad_token_id)
         for step in range(1, args.steps + 1):
-            metrics = schedule.run_step(make_prompts(ckpt, step, args.prompts, args.frames, args.side), step)
+            result = run_step(run, make_prompts(ckpt, step, args.prompts, args.frames, args.side), step)
             if step == 1:
-                _, responses, _ = schedule.last_rollout
-                digest = hashlib.sha256(str([r.token_ids.tolist() for r in responses]).encode()).hexdigest()
+                digest = hashlib.sha256(str([r.token_ids.tolist() for r in result.responses]).encode()).hexdigest()
             if step >= args.timed_from:
-                rows.append(metrics)
-                tl = schedule.timeline
+                rows.append(result.metrics)
+                tl = result.timeline
                 util.append(sampler.mean_in([(tl.origin + s.start_s, tl.origin + s.end_s) for s in tl.spans
                                              if s.name == "gen"]))
-        schedule.timeline.write_chrome_trace(out / label / "traces" / f"step_{args.steps}.json")
+        result.timeline.write_chrome_trace(out / label / "traces" / f"step_{args.steps}.json")
     finally:
         workers.shutdown()
         del workers
@@ -178,18 +181,14 @@ def run_schedule(args, label: str, ckpt: Path, share: str, sampler: UtilSampler,
     return mean
 
 
-def pick_share(device: str) -> str:
-    """``green`` where torch has green contexts, ``streams`` on other GPUs, ``cores`` on CPU."""
-    if device != "cuda":
-        return "cores"
-    from rollplex_train.device_share import check_machine
+def pick_share(requested: str, device: str) -> str:
+    """The in-process share of ``--device-share`` (``auto``: ``device_share.resolve_share``), refused in
+    one line (RuntimeError) where this machine cannot give it."""
+    from rollplex_train.device_share import check_machine, resolve_share
 
-    try:
-        check_machine("green")
-        return "green"
-    except RuntimeError as err:
-        logging.warning("%s", err)
-        return "streams"
+    share = resolve_share(requested, device, "inprocess")
+    check_machine(share)
+    return share
 
 
 def main(argv=None) -> int:
@@ -206,6 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--timed-from", type=int, default=4, help="first timed step (rollplex plans from step 4)")
     parser.add_argument("--compute-dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--only", default=",".join(SCHEDULES))
+    parser.add_argument("--device-share", default="auto", choices=("auto", "cores", "streams", "green"),
+                        help="cluster.device_share of every schedule (auto: streams on a GPU, cores on CPU)")
     parser.add_argument("--out", default="outputs/bench_gpu")
     parser.add_argument("--dry-run", "--tiny", action="store_true",
                         help="CPU, tiny model, 2 prompts x 2 responses x 8 tokens, 4 frames of 56 px, fp32")
@@ -217,7 +218,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
     out = Path(args.out)
     ckpt = build_checkpoint(out / f"checkpoint-{args.size}", args.size, args.device)
-    share = pick_share(args.device)
+    share = pick_share(args.device_share, args.device)
     sampler = UtilSampler(args.device)
     print(f"bench_gpu: {args.size} on {args.device}, share={share}, compute={args.compute_dtype}, "
           f"{args.prompts} prompts x {args.n}, {args.response_len} tokens, "

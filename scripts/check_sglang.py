@@ -32,11 +32,13 @@ import logging
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
-from rollplex_train.config import DataConfig
-from rollplex_train.data.dataset import PromptDataset
-from rollplex_train.data.synthetic import VisualTaskSpec, generate_visual_tasks
+from rollplex_train.data.prompts import build_messages, render_prompt_ids
+from rollplex_train.data.types import PromptSample, VisionInputs
+from rollplex_train.data.vision import patchify_images
 from rollplex_train.models.loading import load_model, load_tokenizer
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
 from rollplex_train.models.tiny import make_tiny_checkpoint
@@ -73,17 +75,28 @@ def same_tokens(a, b) -> list[bool]:
     return [torch.equal(x.token_ids, y.token_ids) for x, y in zip(a, b)]
 
 
+def make_prompts(tokenizer, num: int, seed: int = 0) -> list[PromptSample]:
+    """``num`` one-image prompts built in code (random pixels, sides 56/112/168 px in turn), so that
+    nothing here needs datasets or pyarrow (the GPU machine has neither)."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for i in range(num):
+        side = 56 * (1 + i % 3)
+        image = Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8))
+        pixels, grid = patchify_images([image], min_pixels=56 * 56, max_pixels=side * side)
+        messages = build_messages("<image>What colour is the square? Put your final answer in \\boxed{}.",
+                                  num_images=1, num_videos=0)
+        prompts.append(PromptSample(uid=f"check:{i}", prompt_ids=render_prompt_ids(tokenizer, messages, grid),
+                                    vision=VisionInputs(pixel_values=pixels, image_grid_thw=grid),
+                                    ground_truth="red", task="color"))
+    return prompts
+
+
 def prepare(args) -> tuple[str, list]:
-    """The checkpoint and prompts (a tiny checkpoint and synthetic tasks unless --model)."""
+    """The checkpoint (a tiny one built here unless --model) and ``args.prompts`` prompts."""
     work = Path(tempfile.mkdtemp(prefix="check_sglang_"))
-    tasks = work / "tasks"
-    generate_visual_tasks(tasks, VisualTaskSpec(num_train=max(4, args.prompts), num_val=1))
     model_path = args.model or str(make_tiny_checkpoint(work / "ckpt", arch="qwen2_5_vl", size="tiny", tasks_dir=None)[0])
-    tokenizer = load_tokenizer(model_path)
-    files = str(tasks / "train.parquet")
-    data = PromptDataset(DataConfig(train_files=files, val_files=""), tokenizer, files, "check")
-    prompts = [p for p in (data.get(i) for i in range(len(data))) if p is not None][: args.prompts]
-    return model_path, prompts
+    return model_path, make_prompts(load_tokenizer(model_path), args.prompts)
 
 
 def run(args) -> dict:

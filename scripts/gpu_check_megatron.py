@@ -1,7 +1,11 @@
 """GPU check of the Megatron backend's model path: a random-weight ~1.5B Qwen2.5-VL, bf16, one CUDA
 device, against HF transformers. Written for a fresh single-GPU machine without network (Python
-3.12, torch and transformers preinstalled, megatron-core from a carried wheel; see
-``scripts/gpu_check_megatron.sh``). It has not run yet (see ``docs/benchmarks.md``).
+3.12, torch and transformers preinstalled, megatron-core from a carried wheel): one step of
+``scripts/gpu_run.sh``. It has not run on a GPU yet (see ``docs/benchmarks.md``).
+
+Every input is made on the host (CPU generators) and moved to the device; every comparison moves
+both sides to the host first (``tests/test_device_placement.py`` runs ``--smoke`` under a pretend
+device and fails on any op a GPU would refuse).
 
 What it does (each step timed):
 1. builds the checkpoint locally (``Qwen2_5_VLConfig``: Qwen2.5-1.5B language model, 8-block
@@ -27,35 +31,44 @@ from pathlib import Path
 import torch
 
 
+SMOKE_SPECIAL = dict(pad=1000, eos=1001, vision_start=1002, vision_end=1003, image=1004, video=1005)
+"""Token ids of the smoke config (vocabulary 1024: the 152k head would make each CPU step seconds)."""
+
+
 def qwen25vl_1b5_config(smoke: bool = False):
     """A Qwen2.5-VL config of about 1.5B parameters (Qwen2.5-1.5B LM + an 8-block vision tower);
-    ``smoke``: the same shape family at 2 layers and width 128 (a CPU dry run of this script)."""
+    ``smoke``: the same shape family at 2 layers, width 128 and a 1024-token vocabulary (a CPU dry run
+    of this script)."""
     from transformers import Qwen2_5_VLConfig
 
-    width = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]}) \
-        if smoke else {}
+    ids = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653)
     text = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                 num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
                 tie_word_embeddings=True, pad_token_id=151643, bos_token_id=151643, eos_token_id=151645)
-    text.update(width)
+    if smoke:
+        s = SMOKE_SPECIAL
+        text.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                    vocab_size=1024, pad_token_id=s["pad"], bos_token_id=s["pad"], eos_token_id=s["eos"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6]})
+        ids = dict(image_token_id=s["image"], video_token_id=s["video"], vision_start_token_id=s["vision_start"],
+                   vision_end_token_id=s["vision_end"])
     vision = dict(depth=2 if smoke else 8, hidden_size=1280 // (10 if smoke else 1),
                   intermediate_size=3420 // (10 if smoke else 1), num_heads=16 // (4 if smoke else 1),
                   out_hidden_size=text["hidden_size"],
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                   fullatt_block_indexes=[3, 7], tokens_per_second=2)
-    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=151655, video_token_id=151656,
-                            vision_start_token_id=151652, vision_end_token_id=151653, tie_word_embeddings=True)
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
 
 
-def make_prompts(cfg, device: str):
+def make_prompts(cfg):
     """Two prompts: a 224x224 image (grid 1x16x16 -> 64 tokens) and a 4-frame 112x112 video (grid
-    2x8x8 -> 32 tokens), random text around them."""
+    2x8x8 -> 32 tokens), random text around them; on the host, as the data loader makes them (the
+    model paths move what they need to the model's device)."""
     from rollplex_train.data.types import PromptSample, VisionInputs
 
     g = torch.Generator().manual_seed(0)
-    words = lambda n: torch.randint(100, 150000, (n,), generator=g)  # noqa: E731
+    words = lambda n: torch.randint(100, cfg.vision_start_token_id, (n,), generator=g)  # noqa: E731
     feat = 3 * 2 * 14 * 14
     prompts = []
     for uid, (grid, key) in enumerate((((1, 16, 16), "image"), ((2, 8, 8), "video"))):
@@ -65,11 +78,21 @@ def make_prompts(cfg, device: str):
         ids = torch.cat([words(20), torch.tensor([cfg.vision_start_token_id]), torch.full((tokens,), token),
                          torch.tensor([cfg.vision_end_token_id]), words(30 + 10 * uid)])
         pixels = torch.randn(int(grid_t.prod()), feat, generator=g)
-        vision = (VisionInputs(pixel_values=pixels.to(device), image_grid_thw=grid_t.to(device)) if key == "image"
-                  else VisionInputs(pixel_values_videos=pixels.to(device), video_grid_thw=grid_t.to(device),
-                                    second_per_grid_ts=torch.tensor([1.0], device=device)))
-        prompts.append(PromptSample(uid=f"gpu:{uid}", prompt_ids=ids.to(device), vision=vision, ground_truth=""))
+        vision = (VisionInputs(pixel_values=pixels, image_grid_thw=grid_t) if key == "image"
+                  else VisionInputs(pixel_values_videos=pixels, video_grid_thw=grid_t,
+                                    second_per_grid_ts=torch.tensor([1.0])))
+        prompts.append(PromptSample(uid=f"gpu:{uid}", prompt_ids=ids, vision=vision, ground_truth=""))
     return prompts
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float32, both sides on the host (a device tensor is never compared with a host one)."""
+    return float((a.detach().float().cpu() - b.detach().float().cpu()).abs().max())
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same names and bit-identical values, compared on the host."""
+    return set(a) == set(b) and all(torch.equal(a[k].detach().cpu(), b[k].detach().cpu()) for k in a)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="/tmp/gpu-check-megatron")
     parser.add_argument("--smoke", action="store_true", help="CPU dry run on a 2-layer model (fp32, gloo)")
+    parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps of each model (after one warm-up)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     log = logging.getLogger("gpu_check")
@@ -114,28 +138,30 @@ def main(argv: list[str] | None = None) -> int:
     hf = load_model(out, dtype_name, "sdpa").to(device)
     log.info("models built at %.1f s", time.perf_counter() - t0)
 
-    torch.set_default_device(device)
-    prompts = make_prompts(cfg, device)
-    ids, mask = pad_prompts(prompts, cfg.get_text_config().pad_token_id, "left")
+    prompts = make_prompts(cfg)
+    ids, mask = pad_prompts(prompts, cfg.get_text_config().pad_token_id, "left")  # host
     vision = VisionInputs.concat([p.vision for p in prompts])
     with torch.no_grad():
-        logits = scoring.full_logits(ours, ids, mask, vision).float()
-        position_ids, _ = rope_positions(hf, ids, mask, vision)
-        ref = hf(input_ids=ids, attention_mask=mask, position_ids=position_ids, **vision_kwargs(vision)).logits.float()
+        logits = scoring.full_logits(ours, ids, mask, vision).float().cpu()
+        ids_d, mask_d, vision_d = ids.to(device), mask.to(device), vision.to(device)
+        position_ids, _ = rope_positions(hf, ids_d, mask_d, vision_d)
+        ref = hf(input_ids=ids_d, attention_mask=mask_d, position_ids=position_ids,
+                 **vision_kwargs(vision_d)).logits.float().cpu()
     real = mask.bool()
     diff = (logits[real] - ref[real]).abs()
 
-    group_index, rids, rmask = random_responses(prompts, 4, 64, ours.vocab_size)
+    group, length = (2, 8) if args.smoke else (4, 64)
+    group_index, rids, rmask = random_responses(prompts, group, length, ours.vocab_size)  # on the host
     group_index, rids, rmask = group_index.to(device), rids.to(device), rmask.to(device)
     with torch.no_grad():
         full, _ = scoring.full_logprobs(ours, prompts, group_index, rids, rmask, cfg.get_text_config().pad_token_id)
         states = scoring.encode_prefix(ours, prompts, version=0)
         split, _ = scoring.score_suffix(ours, states, group_index, rids, rmask)
-    split_diff = float((full - split).abs().max())
+    split_diff = max_abs_diff(full, split)
 
     hf_cpu = {n: p.detach().cpu() for n, p in hf.named_parameters() if not n.startswith("model.visual.")}
     back = megatron_to_hf([{k: v.detach().cpu() for k, v in ours.language_model.named_parameters()}], built.layout)
-    roundtrip = "exact" if set(back) == set(hf_cpu) and all(torch.equal(back[k], hf_cpu[k]) for k in back) else "differs"
+    roundtrip = "exact" if same_tensors(back, hf_cpu) else "differs"
 
     ddp = DistributedDataParallel(config=ours.language_model.config,
                                   ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False), module=ours)
@@ -170,10 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
         sync()
         begin = time.perf_counter()
-        for _ in range(3):
+        for _ in range(args.steps):
             step()
         sync()
-        timings[name] = (time.perf_counter() - begin) / 3
+        timings[name] = (time.perf_counter() - begin) / args.steps
     log.info("done at %.1f s", time.perf_counter() - t0)
     sys.stdout.write(
         f"megatron-gpu: params={n_params} max_abs_logit_diff={float(diff.max()):.3e} "

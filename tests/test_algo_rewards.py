@@ -1,5 +1,6 @@
 """Rule-based rewards, user reward files and the RewardManager."""
 
+import dataclasses
 import logging
 import math
 
@@ -196,9 +197,9 @@ def _failing_reward_batch(tmp_path, on_failure: str):
     responses = [Response(prompt_index=0, token_ids=torch.tensor([5, 6]), logprobs=torch.zeros(2), text=t,
                           finish_reason="stop") for t in texts]
     batch = batching.to_train_batch([prompt], responses, pad_id=0)
-    scores, metrics = batching.score_responses(manager, batch, responses)
-    batching.add_advantages(cfg, batch, scores)
-    return batch, scores, metrics
+    scores, failed, metrics = batching.score_responses(manager, batch, responses)
+    advantages, _ = batching.step_advantages(cfg, batch, scores, failed, None, None)
+    return dataclasses.replace(batch, reward_failed=failed, advantages=advantages), scores, metrics
 
 
 def test_failed_reward_excluded_from_group_baseline(tmp_path):

@@ -9,6 +9,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from rollplex_train.cli import conf_dir
 from rollplex_train.config import Config, register_configs, to_config
+from rollplex_train.resolve import resolve
 
 EXPERIMENTS = sorted(p.stem for p in (conf_dir() / "experiment").glob("*.yaml"))
 
@@ -17,7 +18,7 @@ def _compose(overrides):
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         cfg = compose(config_name="config", overrides=["trainer.output_dir=/tmp/unused", *overrides])
-    return to_config(cfg)
+    return resolve(to_config(cfg))  # as a run sees it: derived values resolved (rollplex_train.resolve)
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)

@@ -9,7 +9,7 @@ import torch
 from conftest import scored_batch
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ClusterConfig, ModelConfig
 from rollplex_train.device import compute_context, engine_device, layout_device
-from rollplex_train.device_share import MachineFacts, check_config, check_machine, enter_side
+from rollplex_train.device_share import MachineFacts, check_config, check_machine, enter_side, probe, resolve_share
 from rollplex_train.parallel import ParallelLayout
 from rollplex_train.rollout.base import SamplingParams, StaleWeightsError
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
@@ -119,7 +119,7 @@ def test_train_group_asks_for_local_weights_on_the_in_process_executor():
 
 
 @pytest.mark.parametrize("share,device,executor,message", [
-    ("nvlink", "cuda", "inprocess", r"cluster.device_share='nvlink': expected one of \['cores', 'streams', 'green', 'mps'\]"),
+    ("nvlink", "cuda", "inprocess", r"cluster.device_share='nvlink': expected one of \['cores', 'streams', 'green', 'mps', 'auto'\]"),
     ("streams", "cpu", "inprocess", "cluster.device_share=streams: a CPU device is shared by its cores"),
     ("green", "cuda", "ray", "cluster.device_share=green splits one process's work: it needs cluster.executor=inprocess"),
     ("mps", "cuda", "inprocess", "cluster.device_share=mps partitions SMs between processes: it needs cluster.executor=ray"),
@@ -133,12 +133,14 @@ def test_device_share_refused_by_the_config(share, device, executor, message):
 
 
 GPU = MachineFacts(gpus=1, torch_version=(2, 13), green_contexts=True, driver_cuda=(13, 1),
-                   mps_control="/usr/bin/nvidia-cuda-mps-control")
+                   mps_control="/usr/bin/nvidia-cuda-mps-control", green_streams=True)
+GREEN_WITHOUT_STREAMS = MachineFacts(1, (2, 11), True, (13, 0), None, green_streams=False)  # before pytorch #171116
 
 
 @pytest.mark.parametrize("share,facts,message", [
     ("streams", MachineFacts(0, (2, 13), False, None, None), "cluster.device_share=streams: torch sees no GPU"),
     ("green", MachineFacts(1, (2, 11), False, (13, 0), None), r"green: torch 2.11 has no CUDA green contexts \(needs torch >= 2.13"),
+    ("green", GREEN_WITHOUT_STREAMS, r"green: torch 2.11's green contexts have no Stream\(\) \(pytorch PR #171116\); use streams"),
     ("mps", MachineFacts(1, (2, 11), False, (13, 0), "/x"), r"mps: static SM partitions need driver CUDA >= 13.1 \(found \(13, 0\)\)"),
     ("mps", MachineFacts(1, (2, 13), True, (13, 1), None), "mps: nvidia-cuda-mps-control is not on PATH"),
     ("mps", GPU, "mps: this machine has MPS static partitions, but the workers do not set CUDA_MPS_SM_PARTITION"),
@@ -150,6 +152,36 @@ def test_device_share_refused_where_the_machine_lacks_it(share, facts, message):
     check_machine("streams", GPU)
     check_machine("green", GPU)
     check_machine("cores", MachineFacts(0, (2, 13), False, None, None))
+
+
+@pytest.mark.parametrize("share,device,executor,facts,chosen", [
+    ("auto", "cpu", "ray", None, "cores"),
+    ("auto", "cuda", "ray", None, "cores"),                    # across processes: mps is not wired
+    ("auto", "cuda", "inprocess", GPU, "streams"),             # never green: its halves may overlap
+    ("auto", "cuda", "inprocess", GREEN_WITHOUT_STREAMS, "streams"),
+    ("auto", "cuda", "inprocess", MachineFacts(0, (2, 13), False, None, None), "cores"),
+    ("green", "cuda", "inprocess", GREEN_WITHOUT_STREAMS, "green"),  # forced as written (check_machine refuses it)
+    ("streams", "cuda", "inprocess", None, "streams"),
+    ("mps", "cuda", "ray", None, "mps"),
+])
+def test_device_share_auto_picks_only_what_the_machine_has_and_the_rest_is_forced(share, device, executor, facts,
+                                                                                    chosen):
+    assert resolve_share(share, device, executor, facts) == chosen
+    assert ClusterConfig(device=device, executor=executor, device_share=share).device_share == share
+    if share == "auto" and chosen != "cores":
+        check_machine(chosen, facts)  # what auto picks, the machine gives
+
+
+@pytest.mark.parametrize("green_class,has_streams", [(type("Gc211", (), {}), False),
+                                                     (type("Gc213", (), {"Stream": lambda self: None}), True)])
+def test_probe_reads_green_context_streams_off_torchs_cuda_class(monkeypatch, green_class, has_streams):
+    from torch.cuda import green_contexts
+
+    assert probe().green_streams is False  # this CPU build: no green contexts at all
+    monkeypatch.setattr(green_contexts, "SUPPORTED", True)
+    monkeypatch.setattr(green_contexts, "_GreenContext", green_class)
+    facts = probe()
+    assert facts.green_contexts is True and facts.green_streams is has_streams
 
 
 def test_this_cpu_machine_refuses_gpu_shares_before_any_worker_starts(monkeypatch, tmp_path):

@@ -155,6 +155,19 @@ def test_config_hydra_cannot_compose_fails_in_one_line(tmp_path, override, line)
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "drgrpo", "rloo"])
+def test_group_baseline_with_one_response_fails_in_one_line(tmp_path, estimator):
+    """A group-baseline estimator with rollout.n=1 would train on zero (or raw-score) advantages:
+    refused before Ray starts, both keys named, exit 2."""
+    proc = subprocess.run([str(CLI), "+experiment=tiny_cpu", f"algorithm={estimator}", "rollout.n=1",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert (proc.returncode, proc.stderr) == (2, (
+        f"rollplex-train: error: rollout.n=1: algorithm.adv_estimator={estimator} takes its baseline from the "
+        "other responses of a prompt, so it needs rollout.n >= 2\n"))
+    assert "Ray" not in proc.stdout
+
+
 def test_hydra_record_follows_the_output_dir(tmp_path):
     from rollplex_train.cli import follow_output_dir
 
@@ -187,7 +200,7 @@ def test_interrupt_and_reward_failure_end_in_one_line(capsys):
     from rollplex_train.algo.rewards import RewardFailure
     from rollplex_train.cli import _run_errors
     from rollplex_train.data.loader import NoBatchError
-    from rollplex_train.runtime.rollplex import PrefillBudgetError
+    from rollplex_train.runtime.window import PrefillBudgetError
 
     with pytest.raises(SystemExit) as end:
         with _run_errors(_Trainer(7, Path("/runs/x/checkpoints/global_step_5"))):

@@ -91,7 +91,7 @@ def test_engine_trains_todays_weights(tiny_ckpt_qwen25, make_prompts, monkeypatc
                                       ActorConfig(lr=1e-4, micro_batch_size=4), AlgorithmConfig(kl_coef=0.05), seed=1)
             for _ in range(3):
                 ref, _ = engine.compute_log_probs(batch, "ref")
-                engine.update_actor(dataclasses.replace(batch, ref_logprobs=ref, old_logprobs_from_actor=True))
+                engine.update_actor(dataclasses.replace(batch, ref_logprobs=ref), old_from_actor=True)
             states.append(engine.actor.state_dict())
     worst = max(float((states[0][k] - states[1][k]).abs().max()) for k in states[0])
     assert worst <= 1e-6, worst

@@ -13,7 +13,8 @@ from rollplex_train.data.vision import patchify_images
 from rollplex_train.models.loading import load_model
 from rollplex_train.models.prefix import ChunkedSuffix, encode_prefix, score_suffix
 from rollplex_train.models.sequence import build_full_sequences, response_logprobs
-from rollplex_train.training.prefix_store import PrefixStore, StalePrefixError
+from rollplex_train.training.prefix_store import PrefixStore
+from rollplex_train.versioning import StaleWeightsError
 
 
 def image_prompt(tokenizer, size: tuple[int, int], seed: int) -> PromptSample:
@@ -122,7 +123,7 @@ def test_store_tracks_frees_and_refuses_other_versions(tiny_ckpt_qwen25, mixed_p
     assert {row["owner"] for row in store.describe()} == {"worker-0"}
     uid = mixed_prompts[0].uid
     assert store.take(uid, "actor", 5) is states[0]
-    with pytest.raises(StalePrefixError, match="version"):
+    with pytest.raises(StaleWeightsError, match="version"):
         store.take(uid, "actor", 6)  # a suffix under weights version 6 refuses a version-5 prefix
     with pytest.raises(KeyError):
         store.take(uid, "ref", "ref")

@@ -57,8 +57,8 @@ def _train(engine: TorchTrainEngine, batch, reuse: bool, steps: int = 3) -> list
             sub, _ = engine.compute_log_probs(batch.select_groups(rest), "actor")
             old = torch.zeros_like(batch.response_mask)
             old[(batch.group_index >= mini).nonzero().squeeze(1)] = sub
-        step = dataclasses.replace(batch, ref_logprobs=ref, old_logprobs=old, old_logprobs_from_actor=reuse)
-        metrics.append(engine.update_actor(step))
+        step = dataclasses.replace(batch, ref_logprobs=ref, old_logprobs=old)
+        metrics.append(engine.update_actor(step, old_from_actor=reuse))
     return metrics
 
 
@@ -98,7 +98,7 @@ def test_missing_old_logprobs_of_later_mini_batches_refused(tiny_ckpt_qwen25, ba
     engine = _engine(tiny_ckpt_qwen25, False, ppo_mini_batch_size=2)
     ref, _ = engine.compute_log_probs(batch, "ref")
     with pytest.raises(ValueError, match="all mini-batches but the first"):
-        engine.update_actor(dataclasses.replace(batch, ref_logprobs=ref, old_logprobs_from_actor=True))
+        engine.update_actor(dataclasses.replace(batch, ref_logprobs=ref), old_from_actor=True)
     assert engine.weights_version == 0
 
 
@@ -110,7 +110,7 @@ def test_dropout_refuses_reuse(tiny_ckpt_qwen25, batch, tmp_path):
     engine.actor.config.get_text_config().attention_dropout = 0.1
     ref, _ = engine.compute_log_probs(batch, "ref")
     with pytest.raises(ValueError, match="dropout"):
-        engine.update_actor(dataclasses.replace(batch, ref_logprobs=ref, old_logprobs_from_actor=True))
+        engine.update_actor(dataclasses.replace(batch, ref_logprobs=ref), old_from_actor=True)
 
 
 def test_graph_has_no_old_tasks_for_reused_groups():

@@ -50,12 +50,15 @@ def test_config_builds_layout_and_refuses_bad_degrees():
 
 
 def test_degrees_a_backend_cannot_run_are_refused():
+    """What a backend can do is asked of its registry (its declared capabilities) when the run's
+    config is resolved."""
     from rollplex_train.config import ActorConfig, ClusterConfig, Config, RolloutConfig
+    from rollplex_train.resolve import resolve
 
     with pytest.raises(ValueError, match=r"actor.tensor_parallel_size=2.*data parallel only"):
-        Config(cluster=ClusterConfig(devices_per_node=2), actor=ActorConfig(tensor_parallel_size=2))
+        resolve(Config(cluster=ClusterConfig(devices_per_node=2), actor=ActorConfig(tensor_parallel_size=2)))
     with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=2: the builtin"):
-        Config(cluster=ClusterConfig(devices_per_node=2), rollout=RolloutConfig(tensor_parallel_size=2))
+        resolve(Config(cluster=ClusterConfig(devices_per_node=2), rollout=RolloutConfig(tensor_parallel_size=2)))
 
 
 def test_cli_refuses_what_a_backend_cannot_honour_before_ray(embedded_assets, run_cli, tmp_path):

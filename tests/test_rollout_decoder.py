@@ -3,8 +3,11 @@ hidden states of padded and unpadded batches, and the engine's sampled tokens an
 
 from __future__ import annotations
 
+import pytest
 import torch
+from transformers.integrations import sdpa_attention
 
+from rollplex_train.models.hf_compat import cache_kwargs
 from rollplex_train.models.sequence import pad_prompts
 from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
@@ -31,13 +34,17 @@ def _decode_hidden(engine, prompts, token_ids: torch.Tensor, fused: bool) -> tor
                 out.append(decoder.step(token_ids[step], mask, pos, cache))
             else:
                 out.append(engine.model.model(input_ids=token_ids[step].view(-1, 1), attention_mask=mask,
-                                              position_ids=pos, cache=cache, use_cache=True).last_hidden_state[:, -1])
+                                              position_ids=pos, use_cache=True,
+                                              **cache_kwargs(engine.model.model, cache)).last_hidden_state[:, -1])
             num_real = num_real + 1
     return torch.stack(out, dim=1)
 
 
 def test_fused_step_is_bitwise_the_transformers_forward(tiny_ckpt_qwen25, make_prompts, mixed_prompts):
     engine = BuiltinRolloutEngine(str(tiny_ckpt_qwen25))
+    if not hasattr(sdpa_attention, "pack_gqa"):  # transformers < 5.24: the engine keeps transformers' forward
+        assert "pack_gqa" in engine.fused_decode_unsupported
+        pytest.skip("transformers < 5.24: the fused step is not its forward (rollout/decoder.py)")
     assert engine.fused_decode_unsupported is None
     vocab = engine.model.config.text_config.vocab_size
     tokens = torch.randint(0, vocab - 20, (6, 4), generator=torch.Generator().manual_seed(0))

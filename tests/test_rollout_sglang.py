@@ -160,11 +160,13 @@ class RecordingEngine:
     def flush_cache(self):
         return self._record("flush_cache")
 
-    def release_memory_occupation(self, tags=None):
-        return self._record("release_memory_occupation", tags=tags)
+    def release_memory_occupation(self, tags=None):  # 0.5.23 returns None (no status); a failure: a status
+        status = self._record("release_memory_occupation", tags=tags)
+        return None if status[0] else status
 
     def resume_memory_occupation(self, tags=None):
-        return self._record("resume_memory_occupation", tags=tags)
+        status = self._record("resume_memory_occupation", tags=tags)
+        return None if status[0] else status
 
     def generate(self, **kw):
         self.calls.append(("generate", (), kw))
@@ -243,6 +245,27 @@ def test_memory_release_and_resume_by_tag(sgl, mixed_prompts):
     assert len(adapter.generate(mixed_prompts, SamplingParams(), weights_version=2)) == 3
 
 
+def test_a_control_call_that_reports_no_status_is_not_a_success(sgl, mixed_prompts):
+    """release/resume return None in SGLang 0.5.23 (accepted: the call returning is the acknowledgement);
+    a weight-update call that returns None is another API than the adapter's: refused, not counted as done."""
+    from rollplex_train.rollout import sglang
+
+    adapter, engine, full = sgl
+    with pytest.raises(RuntimeError, match=r"SGLang flush_cache returned None, not \(success, message\)"):
+        sglang._ok(None, "flush_cache")
+    sglang._acknowledged(None, "release_memory_occupation")
+    engine.flush_cache = lambda: None
+    with pytest.raises(RuntimeError, match="flush_cache returned None"):
+        adapter.update_weights(full, version=1)
+    assert adapter.weights_version == 0
+    del engine.flush_cache
+    adapter.update_weights(full, version=1)
+    engine.fail.add("release_memory_occupation")
+    with pytest.raises(RuntimeError, match="release_memory_occupation failed: release_memory_occupation refused"):
+        adapter.release_memory(["kv_cache"])
+    assert len(adapter.generate(mixed_prompts, SamplingParams(), weights_version=1)) == 3  # not marked released
+
+
 def _plan(kv_items: int = 1):
     groups = [TensorGroup("rollout_weights", 30, consumers=("rollout_decode", "weight_sync")),
               TensorGroup("rollout_kv", 40, kind="scratch", consumers=("rollout_decode",)),
@@ -312,7 +335,7 @@ def test_mapped_trainer_weights_are_pushed_at_each_published_version(sgl, mixed_
         adapter.generate(mixed_prompts, SamplingParams(), weights_version=3)
     trainer["model.language_model.norm.weight"].add_(1.0)
     counter.publish(4)
-    with pytest.raises(StaleWeightsError, match="shared weights are version 4"):
+    with pytest.raises(StaleWeightsError, match="the shared counter holds version 4"):
         adapter.sync_shared_weights(5)
     adapter.sync_shared_weights(4)
     assert torch.equal(last_sent(norm), full["model.language_model.norm.weight"] + 1.0)
@@ -341,6 +364,31 @@ def test_check_script_measures_the_engine_trainer_logprob_gap(tiny_ckpt_qwen25, 
     assert script.max_logprob_diff(tiny_model, mixed_prompts, responses, pad, 0.8) < 1e-4
     responses[3].logprobs[0] -= 0.25  # an engine that reports another distribution is caught
     assert abs(script.max_logprob_diff(tiny_model, mixed_prompts, responses, pad, 0.8) - 0.25) < 1e-3
+
+
+def test_check_script_runs_to_its_verdict_without_datasets_or_pyarrow(tiny_ckpt_qwen25, tiny_model):
+    """scripts/check_sglang.py on a machine without datasets/pyarrow (the GPU machine): it imports, says
+    NOT RUN in one line where SGLang is missing, and builds its prompts in code (image pads = grid tokens)."""
+    import argparse
+    import importlib.util as iu
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script_path = Path(__file__).parents[1] / "scripts" / "check_sglang.py"
+    blocked = "import sys, runpy; sys.modules.update(datasets=None, pyarrow=None); sys.argv = ['check_sglang.py']; " \
+              f"runpy.run_path({str(script_path)!r}, run_name='__main__')"
+    proc = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout.startswith("check_sglang: NOT RUN rollout.name=sglang: SGLang is not "
+                                                           "installed"), proc.stdout + proc.stderr[-2000:]
+    spec = iu.spec_from_file_location("check_sglang", script_path)
+    script = iu.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    path, prompts = script.prepare(argparse.Namespace(model=str(tiny_ckpt_qwen25), prompts=3))
+    image = tiny_model.config.image_token_id
+    assert path == str(tiny_ckpt_qwen25) and [p.uid for p in prompts] == ["check:0", "check:1", "check:2"]
+    assert [int((p.prompt_ids == image).sum()) for p in prompts] == [
+        int(p.vision.image_grid_thw.prod()) // 4 for p in prompts] == [4, 16, 36]
 
 
 def test_requests_larger_than_max_batch_size_are_split_keeping_prompt_order(sgl, mixed_prompts):

@@ -18,6 +18,7 @@ import torch
 
 from rollplex_train.config import ModelConfig
 from rollplex_train.models.arch import load_hf_config, parameter_shapes
+from rollplex_train.models import layouts
 from rollplex_train.models.layouts import Dims, build_layout, reference_shard
 from rollplex_train.rollout.sglang_weights import (
     build_update_calls,
@@ -92,6 +93,24 @@ def test_tiny_model_follows_sglangs_rules_with_tied_head_and_replicated_kv_heads
     want = {n: tuple(s) for n, s in _derive_module().sglang_params(text, vision, True, tp).items()}
     layout = sglang_layout({n: tuple(t.shape) for n, t in full.items()}, Dims.from_hf_config(cfg), tp)
     assert expected_params(layout, tp - 1) == want
+
+
+@pytest.mark.parametrize("vocab,tp,rows", [(151936, 1, 151936), (151936, 2, 151936), (151936, 8, 151936),
+                                           (151936, 3, 152064), (1000, 3, 1152), (1000, 2, 1024), (1025, 5, 1280)])
+def test_vocabulary_is_padded_as_sglang_pads_it_at_odd_tp(vocab, tp, rows):
+    """SGLang pads to a multiple of 64, or of 64 x TP when TP does not divide that (0.5.23
+    VocabParallelEmbedding.__init__); the test data's derivation follows the same line independently."""
+    text = {"hidden_size": 8, "num_attention_heads": tp, "num_key_value_heads": tp, "intermediate_size": tp,
+            "vocab_size": vocab, "num_hidden_layers": 0}
+    vision = {"hidden_size": 2 * tp, "num_heads": tp, "intermediate_size": tp, "depth": 0, "out_hidden_size": 8,
+              "spatial_merge_size": 2, "patch_size": 14, "temporal_patch_size": 2}
+    derived = _derive_module().sglang_params(text, vision, True, tp)["model.embed_tokens.weight"]
+    layout = build_layout("sglang", tp, {"model.language_model.embed_tokens.weight": (vocab, 8)}, Dims(tp, tp, 8, tp, 2))
+    specs = [next(iter(rank.values())) for rank in layout.ranks]
+    assert [s.shape for s in specs] == [(rows // tp, 8)] * tp and derived == [rows // tp, 8]
+    assert [(b.start, b.stop) for s in specs for b in s.blocks] == [(i * rows // tp, (i + 1) * rows // tp)
+                                                                     for i in range(tp)]
+    assert layouts.sglang_padded_vocab(vocab, tp) == rows
 
 
 def test_shards_hold_the_right_rows(tiny_full):

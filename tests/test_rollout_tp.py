@@ -133,9 +133,10 @@ def _rank_process(rank: int, port: int, ckpt: str, prompts, new: dict, queue) ->
         actor = load_model(ckpt)
         states = [encode_prefix(actor, [p], version=0)[0] for p in prompts]
         out["given"] = engine.generate(prompts, SAMPLED, prefixes=states)
-        engine.share_prompt_kv = True
-        out["shared_kv"] = engine.generate(prompts, SAMPLED)
-        engine.share_prompt_kv = False
+        if engine.fused_decode_unsupported is None:  # share_prompt_kv needs it (refused below transformers 5.24)
+            engine.share_prompt_kv = True
+            out["shared_kv"] = engine.generate(prompts, SAMPLED)
+            engine.share_prompt_kv = False
         engine.update_weights(new, version=1)  # full HF tensors, this rank's rows cut and copied
         out["updated"] = engine.generate(prompts, SAMPLED, weights_version=1)
 
@@ -198,6 +199,9 @@ def test_tp2_builtin_engine_tokens_equal_tp1(tiny_ckpt_qwen25, mixed_prompts):
     for key, ref in [("own", "own"), ("greedy", "greedy"), ("given", "own"), ("shared_kv", "own"),
                      ("updated", "updated"), ("mapped", "updated")]:
         expected = _plain(want[ref])
+        if key == "shared_kv" and single.fused_decode_unsupported:
+            assert all(key not in out for out in ranks)  # transformers < 5.24: no fused step, no shared copy
+            continue
         for out in ranks:
             assert [t for t, _ in out[key]] == [t for t, _ in expected], key
             diff = max(abs(a - b) for (_, x), (_, y) in zip(out[key], expected) for a, b in zip(x, y))
@@ -216,12 +220,13 @@ def test_config_refuses_what_a_tp_builtin_engine_cannot_honour(overrides, messag
 
     from rollplex_train.cli import conf_dir
     from rollplex_train.config import register_configs, to_config
+    from rollplex_train.resolve import resolve  # the engines' own refusals (BuiltinRolloutEngine.check_config)
 
     base = ["trainer.output_dir=/tmp/unused", "cluster.devices_per_node=2", "rollout.tensor_parallel_size=2",
             "sharing.enabled=false", "schedule=serial"]
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        ok = to_config(compose("config", [*base, "actor.backend=megatron", "actor.tensor_parallel_size=2"]))
+        ok = resolve(to_config(compose("config", [*base, "actor.backend=megatron", "actor.tensor_parallel_size=2"])))
         assert ok.rollout.tensor_parallel_size == 2 and not ok.rollout.share_prompt_kv
         with pytest.raises(ValueError, match=message):
-            to_config(compose("config", [*base, *overrides]))
+            resolve(to_config(compose("config", [*base, *overrides])))

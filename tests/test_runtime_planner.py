@@ -9,8 +9,7 @@ import pytest
 
 from rollplex_train.runtime.cost_model import CostModel, amdahl
 from rollplex_train.runtime.graph import StepGraph, Task, build_step_graph
-from rollplex_train.runtime.planner import PhasePlanner
-from rollplex_train.runtime.rollplex import prefix_calls
+from rollplex_train.runtime.planner import PhasePlanner, PrefixCall, prefix_calls
 
 
 def graph(num_groups=4, mini=2, ref=True, prompt=100, response=800, bytes_per_token=0.0):
@@ -132,9 +131,9 @@ def test_planner_never_outlasts_decode_or_the_memory_budget():
             for role in ("old", "ref", "actor"):
                 cost.observe(f"prefix/{role}", 1000, threads, rng.uniform(0.1, 3) * amdahl(threads, rng.uniform(0, 1)))
         plan = PhasePlanner(total, budget).plan(g, cost)
-        window = [g[n] for n in plan.window_tasks]
+        window = plan.window_tasks
         assert all(t.movable for t in window)
-        assert sorted(plan.window_tasks + plan.after_tasks) == sorted(t.name for t in g.movable())
+        assert sorted(t.name for t in plan.window_tasks + plan.after_tasks) == sorted(t.name for t in g.movable())
         if budget is not None:
             assert sum(t.creates_bytes for t in window) <= budget
         if plan.overlaps:
@@ -145,8 +144,20 @@ def test_planner_never_outlasts_decode_or_the_memory_budget():
 
 
 def test_prefix_calls_batch_consecutive_roles():
-    names = ["prefix/old/g0", "prefix/old/g1", "prefix/ref/g0", "prefix/actor/g0", "prefix/old/g2"]
-    assert prefix_calls(names) == [("old", [0, 1]), ("ref", [0]), ("actor", [0]), ("old", [2])]
+    g = graph(num_groups=3, mini=1)
+    tasks = [g[n] for n in ("prefix/old/g0", "prefix/old/g1", "prefix/ref/g0", "prefix/actor/g0", "prefix/old/g2")]
+    assert prefix_calls(tasks) == [PrefixCall("old", (0, 1)), PrefixCall("ref", (0,)), PrefixCall("actor", (0,)),
+                                   PrefixCall("old", (2,))]
+
+
+def test_graph_tasks_carry_the_steps_global_prompt_indices():
+    """A DP rank's graph over the step's groups 1 and 3: its tasks name and hold those indices, and
+    its first mini-batch is its first group (mini-batch membership counts its own groups)."""
+    g = build_step_graph([100, 120], 800, decode_steps=100, mini_batch_groups=1, needs_reference=True,
+                         weights_version=0, groups=[1, 3])
+    assert {t.group for t in g.movable()} == {1, 3}
+    assert [t.name for t in g.movable() if t.role == "actor"] == ["prefix/actor/g1"]
+    assert g["prefix/ref/g3"].tokens == 120
 
 
 def test_cost_model_state_round_trips_through_json():
@@ -180,7 +191,7 @@ def test_suffix_chunks_calibrate_then_run_only_where_they_pay():
     calibration = planner.stream_chunks(replace(split, mode="profile_split"), g, CostModel(), bounds, tokens, 300,
                                         calibrating=True)
     assert calibration.chunk_bounds == bounds and (calibration.decode_share, calibration.train_share) == (1, 1)
-    assert {"prefix/ref/g0", "prefix/ref/g1"} <= set(calibration.window_tasks) and calibration.overlaps
+    assert {"prefix/ref/g0", "prefix/ref/g1"} <= {t.name for t in calibration.window_tasks} and calibration.overlaps
 
     cost = with_suffix(calibrated(decode_f=0.0, prefix_f=1.0, decode_rate=0.02), suffix_f=1.0, rate=2e-3)
     base = planner.plan(g, cost)
@@ -213,7 +224,7 @@ def test_suffix_chunks_calibrate_then_run_only_where_they_pay():
 def test_cost_model_saved_before_chunk_rates_had_their_kind_is_renamed_on_load():
     """Checkpoints of the older code observed the chunks as ``suffix/ref``: on resume those rates
     become ``chunk/ref`` and the one-call pass is unmeasured (no chunks planned until it is)."""
-    from rollplex_train.runtime.rollplex import rename_old_chunk_rates
+    from rollplex_train.runtime.window import rename_old_chunk_rates
 
     old = CostModel()
     for threads in (1, 2, 2, 2):

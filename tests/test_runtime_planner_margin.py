@@ -58,7 +58,7 @@ def test_margin_is_measured_noise_plus_shortfall():
     assert cost.relative_noise("decode", 4) == cost.prior_noise
     movable = g.movable()
     plan = planner._overlap(movable, 500, 1, 1, cost)  # a 0.6 s window at 1 thread: about half the tasks
-    window = [t for t in movable if t.name in plan.window_tasks]
+    window = [t for t in movable if t in plan.window_tasks]
     assert window and len(window) < len(movable)  # the window holds some of the tasks, not all
     per_kind = {}
     for t in window:  # seconds of each prefix kind in the window: 1.1 ms/token at 1 thread, 1 at 2

@@ -1,4 +1,4 @@
-"""Which groups the rollplex schedule hands to the rollout as actor prefix KV caches
+"""Which groups the rollplex window planner hands to the rollout as actor prefix KV caches
 (``schedule.prefill_from_actor``): the first mini-batch, within the memory budget per DP rank."""
 
 from __future__ import annotations
@@ -10,29 +10,35 @@ from hydra import compose, initialize_config_dir
 
 from rollplex_train.cli import conf_dir
 from rollplex_train.config import register_configs, to_config
-from rollplex_train.runtime.planner import PhasePlanner
-from rollplex_train.runtime.rollplex import GIB, PrefillBudgetError, RollplexSchedule
+from rollplex_train.resolve import resolve
+from rollplex_train.runtime.window import PrefillBudgetError, WindowPlanner
 
 
-def _schedule(*overrides: str, bytes_per_token: float = 0.0) -> RollplexSchedule:
-    """A RollplexSchedule with its config, planner and size estimates only (no workers)."""
-    register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        cfg = to_config(compose(config_name="config", overrides=[
-            "trainer.output_dir=/tmp/unused", "+experiment=tiny_cpu", "schedule=rollplex",
-            "data.rollout_batch_size=4", "actor.ppo_mini_batch_size=2", *overrides]))
-    schedule = object.__new__(RollplexSchedule)
-    budget = cfg.schedule.prefix_memory_gib
-    schedule.cfg = cfg
-    schedule.planner = PhasePlanner(2, None if budget is None else int(budget * GIB))
-    schedule.bytes_per_token = {"actor": bytes_per_token}
-    return schedule
+class _Planner:
+    """A WindowPlanner (no workers) and the size estimates it reads."""
+
+    def __init__(self, *overrides: str, bytes_per_token: float = 0.0):
+        register_configs()
+        with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+            cfg = resolve(to_config(compose(config_name="config", overrides=[
+                "trainer.output_dir=/tmp/unused", "+experiment=tiny_cpu", "schedule=rollplex",
+                "data.rollout_batch_size=4", "actor.ppo_mini_batch_size=2", *overrides])))
+        self.window = WindowPlanner(cfg, threads=2, old_from_actor=True)
+        self.window.estimates.bytes_per_token = {"actor": bytes_per_token}
+
+    def _prefill_groups(self, step) -> list[int]:
+        return self.window.prefill_groups(step)
+
+
+def _schedule(*overrides: str, bytes_per_token: float = 0.0) -> _Planner:
+    return _Planner(*overrides, bytes_per_token=bytes_per_token)
 
 
 def _step(prompt_lengths: list[int], ranks: list[int]) -> SimpleNamespace:
     dp = max(ranks) + 1
     return SimpleNamespace(prompts=[SimpleNamespace(prompt_length=n) for n in prompt_lengths], rank_of_group=ranks,
-                           groups_of_dp=[[g for g, r in enumerate(ranks) if r == d] for d in range(dp)])
+                           groups_of_dp=[[g for g, r in enumerate(ranks) if r == d] for d in range(dp)],
+                           groups_per_mini_batch=2, first_mini_batch=[0, 1])  # actor.ppo_mini_batch_size=2
 
 
 def test_first_mini_batch_is_handed_over_within_the_budget(caplog):

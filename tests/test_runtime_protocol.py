@@ -1,5 +1,5 @@
 """Group protocol pieces without Ray: Pending futures, the item stream, placement of groups on DP
-ranks, and the DP split of a batch (global mini-batch counts, rows back in order)."""
+ranks, and the DP parts of a batch (global mini-batch counts, rows back in order)."""
 
 import concurrent.futures as cf
 import threading
@@ -78,22 +78,25 @@ def _batch(lengths_per_group: list[list[int]]) -> TrainBatch:
                       response_ids=torch.zeros(len(rows), width, dtype=torch.long), response_mask=mask)
 
 
-def test_split_by_rank_keeps_global_counts_and_rows():
+def _placed(batch: TrainBatch, rank_of_group: list[int], groups_per_mini_batch: int):
+    from rollplex_train.cluster.executors import InProcessExecutor
+    from rollplex_train.cluster.groups import StepPrompts
+
+    return StepPrompts(InProcessExecutor(), batch.prompts, rank_of_group, max(rank_of_group) + 1, groups_per_mini_batch)
+
+
+def test_update_parts_keep_global_counts_and_rows():
     batch = _batch([[3, 1], [2, 2], [4, 0], [1, 1]])  # 4 groups of 2, one empty response
     whole = batch.plan_mini_batches(2)
     assert [(s.num_tokens, s.num_seqs) for s in whole] == [(8, 4), (6, 3)]
-    parts = batch.split_by_rank([0, 1, 1, 0], num_ranks=2, groups_per_mini_batch=2)
+    placed = _placed(batch, [0, 1, 1, 0], 2)
+    parts = [placed.update_part(batch, dp, whole) for dp in range(2)]
     for part in parts:  # every rank sees the global counts of every mini-batch
         assert [(s.num_tokens, s.num_seqs) for s in part.mini_batches] == [(8, 4), (6, 3)]
     assert [s.groups for s in parts[0].mini_batches] == [(0,), (1,)]  # local indices of groups 0 and 3
+    assert parts[0].group_index.tolist() == [0, 0, 1, 1] and parts[0].prompts == [batch.prompts[0], batch.prompts[3]]
     assert parts[1].source_rows.tolist() == [2, 3, 4, 5]
+    assert torch.equal(parts[1].response_mask, batch.response_mask[2:6])
     values = [torch.full((p.num_responses, 4), float(r)) for r, p in enumerate(parts)]
     merged = gather_rows(parts, values, batch.num_responses)
     assert merged[:, 0].tolist() == [0, 0, 1, 1, 1, 1, 0, 0]
-
-
-def test_split_keeps_the_old_policy_reuse_flag():
-    batch = _batch([[3, 1], [2, 2]])
-    batch.old_logprobs_from_actor = True
-    parts = batch.split_by_rank([0, 1], num_ranks=2, groups_per_mini_batch=2)
-    assert all(p.old_logprobs_from_actor for p in parts)

@@ -59,10 +59,10 @@ def test_engines_share_the_actor_in_place(tiny_ckpt_qwen25, mixed_prompts, tmp_p
         rollout.generate(mixed_prompts, PARAMS, weights_version=0)
     with pytest.raises(StaleWeightsError, match="being updated"):
         rollout.sync_shared_weights(1)
-    with pytest.raises(StaleWeightsError, match="actor holds 1"):
+    with pytest.raises(StaleWeightsError, match="actor holds version 1"):
         trainer.publish_weights(2)
     assert trainer.publish_weights(1) == {"sharing/rebuild_bytes": 0.0, "sharing/remote_bytes": 0.0}
-    with pytest.raises(StaleWeightsError, match="shared weights are version 1"):
+    with pytest.raises(StaleWeightsError, match="the shared counter holds version 1"):
         rollout.generate(mixed_prompts, PARAMS, weights_version=0)  # engine still at 0: stale
     rollout.sync_shared_weights(1)
     after = rollout.generate(mixed_prompts, PARAMS, weights_version=1)
@@ -107,12 +107,12 @@ def embedded_runs(embedded_assets, tmp_path_factory):
             trainer = Trainer(cfg, out)
             try:
                 trainer.fit()
-                w = trainer.schedule.workers
+                w = trainer.run.workers
                 digests = [w.train.weights_digest(), w.rollout.weights_digest()]
                 prompts, _ = trainer.loader.next_batch()
                 try:
                     w.rollout.generate(w.train.place(prompts[:1], [0]), PARAMS,
-                                       trainer.schedule.weights_version - 1).result()
+                                       trainer.run.weights_version - 1).result()
                     stale = None
                 except StaleWeightsError as err:  # Ray re-raises the worker's exception type
                     stale = str(err)

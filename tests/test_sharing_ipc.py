@@ -81,7 +81,7 @@ def test_two_processes_share_without_copy_and_refuse_stale():
         mat.sync()
         version.publish(2)
         parent.send(1)
-        assert parent.recv().startswith("stale: rollout wants weights version 1, shared weights are version 2")
+        assert parent.recv().startswith("stale: rollout wants weights version 1, the shared counter holds version 2")
         parent.send(2)
         got = parent.recv()
         assert got["sum_view"] == (ref_view * 3.0).double().sum().item()  # seen without a copy

@@ -19,7 +19,7 @@ from rollplex_train.config import ModelConfig, register_configs, to_config
 from rollplex_train.memory import estimate as est
 from rollplex_train.models.arch import load_hf_config
 from rollplex_train.runtime.planner import PhasePlanner
-from rollplex_train.runtime.hardware import GpuConfig, TimelineConfig
+from rollplex_train.hardware import GpuConfig, TimelineConfig
 from rollplex_train.runtime.roofline import DeviceWork, RooflineModel, llm_forward_flops
 from rollplex_train.runtime.timeline import Timeline
 from rollplex_train.runtime.timeline_report import colocated_predictions
@@ -150,7 +150,7 @@ def test_a_larger_decode_window_never_hides_less_prefix_work(w, extra):
 
     def hidden(steps, train_share):
         plan = planner._overlap(movable, steps, m.units - train_share, train_share, cost)
-        return sum(cost.seconds(graph[n].kind, graph[n].tokens, train_share) for n in plan.window_tasks)
+        return sum(cost.seconds(t.kind, t.tokens, train_share) for t in plan.window_tasks)
 
     for c in range(1, m.units):
         assert hidden(w.decode_steps + extra, c) >= hidden(w.decode_steps, c) - 1e-12

@@ -16,7 +16,7 @@ from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
 from rollplex_train.runtime.batching import to_train_batch
 from rollplex_train.training.base import create_train_engine
-from rollplex_train.training.prefix_store import StalePrefixError
+from rollplex_train.versioning import StaleWeightsError
 from rollplex_train.training.torch_engine import TorchTrainEngine
 
 LR = 1e-3  # large enough that one AdamW step moves every trained tensor visibly
@@ -303,12 +303,12 @@ def test_precomputed_prefixes_give_the_same_step(tiny_ckpt_qwen25, rollout_batch
                                 ActorConfig(lr=LR, micro_batch_size=micro, ppo_mini_batch_size=mini), algo, seed=1)
                for _ in range(2)]
     plain, ahead = engines
-    with pytest.raises(StalePrefixError):
+    with pytest.raises(StaleWeightsError):
         ahead.precompute_prefixes(rollout_batch.prompts, ["old"], weights_version=1)
     first_mini = rollout_batch.prompts[:mini]  # only the first mini-batch's actor prefixes may run ahead
     info = ahead.precompute_prefixes(rollout_batch.prompts, ["old", "ref"], weights_version=0)
     ahead.precompute_prefixes(first_mini, ["actor"], weights_version=0)
-    assert info["prefix/num_states"] == 6 and len(ahead.prefixes) == 6 + mini
+    assert info.metrics["prefix/num_states"] == 6 and len(ahead.prefixes) == 6 + mini
     results = []
     for engine in engines:
         old, _ = engine.compute_log_probs(rollout_batch, "actor")
@@ -330,13 +330,11 @@ def test_precomputed_prefixes_give_the_same_step(tiny_ckpt_qwen25, rollout_batch
 def _stitched_log_probs(engine: TorchTrainEngine, batch: TrainBatch, role: str, calls: list[list[int]]):
     """Log-probs of ``batch`` assembled from one call per group list (as a decode tail scores the
     groups finished so far, with groups renumbered per call)."""
-    from rollplex_train.runtime.batching import group_rows
-
     out = torch.zeros(batch.response_mask.shape)
     for groups in calls:
         part = batch.select_groups(groups)
         logp, _ = engine.compute_log_probs(part, role)
-        out[group_rows(batch, groups), : logp.shape[1]] = logp
+        out[batch.rows_of(groups), : logp.shape[1]] = logp
     return out
 
 

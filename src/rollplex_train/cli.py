@@ -55,13 +55,16 @@ def _run_errors(trainer):
     """Around ``Trainer.fit``: Ctrl-C (SIGINT) ends the run with one line naming the last
     checkpoint and exit code 130 (128 + SIGINT, the shell's convention), SIGTERM the same with exit
     code 143 (128 + SIGTERM); a reward function that
-    fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1;
+    fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1,
+    and so does a failed worker with no restart left (``cluster.failures.WorkerFailure``: role,
+    rank, cause, the step and the last checkpoint);
     data that stops yielding full batches (rows found bad only when loaded) and required actor
     prefixes over the memory budget (``schedule.prefill_from_actor=true``) with one line and exit
     code 2."""
     from rollplex_train.algo.rewards import RewardFailure
+    from rollplex_train.cluster.failures import WorkerFailure
     from rollplex_train.data.loader import NoBatchError
-    from rollplex_train.runtime.rollplex import PrefillBudgetError
+    from rollplex_train.runtime.window import PrefillBudgetError
 
     previous = signal.signal(signal.SIGTERM, _raise_terminated)  # kept across ray.init (start_ray)
     try:
@@ -75,6 +78,11 @@ def _run_errors(trainer):
         raise SystemExit(code) from None
     except RewardFailure as err:
         sys.stderr.write(f"rollplex-train: error: {err}\n")
+        raise SystemExit(1) from None
+    except WorkerFailure as err:  # its workers are torn down already (Trainer.fit)
+        last = err.last_checkpoint
+        sys.stderr.write(f"rollplex-train: error: {err} at step {err.step}; "
+                         f"{'last checkpoint ' + str(last) if last is not None else 'no checkpoint was written'}\n")
         raise SystemExit(1) from None
     except NoBatchError as err:
         sys.stderr.write(f"rollplex-train: error: {err}\n")
@@ -160,6 +168,7 @@ def _hydra_main(task, program: str) -> None:
 def _train(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from rollplex_train.cluster.launch import check_sweep_job
     from rollplex_train.config import to_config
     from rollplex_train.paths import resolve_config_paths
     from rollplex_train.trainer import Trainer
@@ -171,6 +180,7 @@ def _train(cfg) -> None:
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     with _user_errors("rollplex-train"):  # config, files and data are checked before Ray starts
+        check_sweep_job()
         config = resolve_config_paths(to_config(cfg), conf_dir().parent)
         output_dir = config.trainer.output_dir or HydraConfig.get().runtime.output_dir
         trainer = Trainer(config, Path(output_dir))

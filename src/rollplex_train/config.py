@@ -3,7 +3,10 @@
 Every section is a keyword-only dataclass registered with Hydra's ConfigStore, so a misspelt key in
 YAML or on the command line is an error (OmegaConf struct mode). Each dataclass checks its own
 values in ``__post_init__`` and raises ``ValueError`` naming the offending key. Sections never copy
-values between each other; derived quantities are computed where they are used.
+values between each other: the few values derived from other sections or from what the chosen
+engines can do are resolved in one step before a run, ``rollplex_train.resolve.resolve`` (the
+trainer calls it), which logs each one and asks the engine registries what an engine can do
+(never its name). This module imports nothing above it: the engines import their config sections.
 
 Names follow verl/EasyR1 where a counterpart exists (``rollout.n``, ``actor.ppo_mini_batch_size``,
 ``algorithm.adv_estimator``, ``actor.clip_ratio_low``/``clip_ratio_high``, ``actor.loss_agg_mode``).
@@ -17,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:  # Hydra/OmegaConf are imported where used: the in-process GPU benchmark runs without them
     from omegaconf import DictConfig
 
-from rollplex_train.runtime.hardware import GpuConfig, TimelineConfig
+from rollplex_train.hardware import GpuConfig, TimelineConfig
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -313,7 +316,8 @@ class ClusterConfig:
     object_store_memory_bytes: int = 200 * 1024**2
     device_share: str = "cores"
     """How colocated workers share a device: ``cores`` (CPU threads; GPU time-sliced), ``streams`` or
-    ``green`` (GPU, in one process), ``mps`` (GPU, across processes); see ``device_share.py``."""
+    ``green`` (GPU, in one process), ``mps`` (GPU, across processes), or ``auto`` (the best the
+    machine has: ``device_share.resolve_share``); see ``device_share.py``."""
 
     def __post_init__(self) -> None:
         from rollplex_train.parallel import DEVICES
@@ -413,7 +417,8 @@ class ScheduleConfig:
     """rollplex: encode the first mini-batch's actor prefixes (with their graph) before decode and
     hand their KV caches to the rollout engine, which then skips its own prefill of those prompts
     (one vision + prompt pass per group fewer). ``auto``: where it can run (``schedule.name=rollplex``,
-    ``rollout.name=builtin``, ``actor.backend=torch``, and the states fit ``prefix_memory_gib``);
+    a rollout engine that accepts prefix states (``builtin``), a backend that exports whole ones
+    (``torch``), and the states fit ``prefix_memory_gib``; resolved to ``false`` elsewhere);
     ``true``: required (a config error where it cannot run, a run error when the states outgrow the
     budget); ``false``: off. The states' bytes per token are measured by the first step, so the
     budget applies from the second step on."""
@@ -422,9 +427,10 @@ class ScheduleConfig:
     """rollplex under ``rollout.ignore_eos`` with a reference: the planner may score the reference
     suffixes in chunks of this many response tokens while decode goes on (the decode window's
     train share), with the one-call pass's numbers (``models.prefix.ChunkedSuffix``); it does when
-    its cost model predicts a gain over the margin. Needs the builtin rollout, the torch backend and
-    ``model.shared_prefix``; elsewhere it stays off. 0: off; otherwise at least 4 (the rollplex
-    schedule's config sets 32; docs/benchmarks.md, "Reference suffix chunks in the decode window")."""
+    its cost model predicts a gain over the margin. Needs a rollout engine that reports decode
+    progress (``builtin``), a backend that scores chunks (``torch``) and ``model.shared_prefix``;
+    elsewhere it is resolved to 0 (off). 0: off; otherwise at least 4 (the rollplex schedule's
+    config sets 32; docs/benchmarks.md, "Reference suffix chunks")."""
 
     def __post_init__(self) -> None:
         _check_choice("schedule", "name", self.name, SCHEDULES)
@@ -530,6 +536,9 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2
     resume: str = "auto"
     """``auto`` (latest checkpoint in output_dir if any), ``disable``, or a checkpoint directory."""
+    max_restarts: int = 0
+    """A failed worker: tear the workers down, start them again and resume from the last checkpoint,
+    at most this many times per run (0: the run ends with one line naming the worker)."""
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard", "wandb"])
     wandb_init_timeout_s: float = 30.0
     """Most seconds the wandb start may take; after it (or any online failure) the run logs to wandb
@@ -546,6 +555,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _check_positive("trainer", "total_steps", self.total_steps)
         _check_positive("trainer", "max_ckpt_to_keep", self.max_ckpt_to_keep)
+        _check_positive("trainer", "max_restarts", self.max_restarts, allow_zero=True)
         _check_positive("trainer", "wandb_init_timeout_s", self.wandb_init_timeout_s)
         for name in self.loggers:
             _check_choice("trainer", "loggers", name, ("console", "jsonl", "tensorboard", "wandb"))
@@ -577,57 +587,39 @@ class Config:
         from rollplex_train.parallel import ParallelLayout
 
         ParallelLayout.from_config(self)  # degrees that do not fit the devices fail here, naming the keys
-        a, r = self.actor, self.rollout
-        if a.backend == "torch" and (a.tensor_parallel_size > 1 or a.pipeline_parallel_size > 1):
-            raise ValueError(f"actor.tensor_parallel_size={a.tensor_parallel_size}, actor.pipeline_parallel_size="
-                             f"{a.pipeline_parallel_size}: actor.backend=torch is data parallel only "
-                             "(TP/PP need actor.backend=megatron)")
-        if r.name == "builtin" and r.tensor_parallel_size > 1:
-            if self.sharing.split_qkv or self.sharing.split_gate_up:
-                raise ValueError("sharing.split_qkv/split_gate_up: the builtin rollout engine at "
-                                 f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs SGLang's fused "
-                                 "qkv_proj and gate_up_proj (set both false)")
-            replica = a.tensor_parallel_size * a.pipeline_parallel_size
-            if replica % r.tensor_parallel_size:  # its ranks then take the same calls in the same order
-                raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the builtin engine's devices must "
-                                 f"lie in one training replica (actor.tensor_parallel_size x pipeline_parallel_size = "
-                                 f"{replica}), so that it decodes one DP rank's prompts per call")
         if self.schedule.name == "rollplex" and not self.model.shared_prefix:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
-        if self.schedule.prefill_from_actor == "true" and not self.prefill_from_actor_possible():
-            raise ValueError(f"schedule.prefill_from_actor=true needs schedule.name=rollplex, rollout.name=builtin, "
-                             f"actor.backend=torch and a schedule.prefix_memory_gib above 0 (got {self.schedule.name}, "
-                             f"{r.name}, {a.backend}, {self.schedule.prefix_memory_gib})")
         if self.env.name:
-            raise ValueError(f"env.name={self.env.name!r}: the training step does not run environment rollouts yet "
-                             "(rollout.multiturn.TurnLoop runs them at engine level; docs/envs.md)")
+            self._check_env_run()
         mini = self.actor.ppo_mini_batch_size
         if mini > 0 and self.data.rollout_batch_size % mini != 0:
             raise ValueError(
                 f"actor.ppo_mini_batch_size={mini} must divide data.rollout_batch_size="
                 f"{self.data.rollout_batch_size}"
             )
-        if a.lr_scheduler == "cosine" and a.lr_decay_steps == -1:  # resolved once here (verl injects
-            # total_training_steps into its optimizer config the same way)
-            per_step = 1 if mini <= 0 else self.data.rollout_batch_size // mini
-            a.lr_decay_steps = max(1, self.trainer.total_steps * per_step * a.ppo_epochs - max(a.lr_warmup_steps, 0))
 
-    def prefill_from_actor_possible(self) -> bool:
-        """Whether the rollout can decode from the actor's prefix KV caches (``schedule.prefill_from_actor``):
-        the rollplex schedule encodes them, the torch backend's states are whole (not TP shards), the
-        built-in engine accepts them (SGLang prefills every prompt itself) and prefix state may stay
-        alive across decode (``schedule.prefix_memory_gib`` not 0)."""
-        return (self.schedule.name == "rollplex" and self.rollout.name == "builtin" and self.actor.backend == "torch"
-                and self.schedule.prefix_memory_gib != 0)
-
-    def suffix_chunks_possible(self) -> bool:
-        """Whether the planner may score reference suffix chunks during decode
-        (``schedule.suffix_chunk_tokens``): rollplex, the built-in engine (it reports decode
-        progress), the torch backend with ``model.shared_prefix``, a reference model and
-        ``rollout.ignore_eos`` (every response is ``max_new_tokens`` long, the pass's width)."""
-        return (self.schedule.name == "rollplex" and self.schedule.suffix_chunk_tokens > 0
-                and self.rollout.name == "builtin" and self.actor.backend == "torch" and self.model.shared_prefix
-                and self.algorithm.needs_reference and self.rollout.ignore_eos)
+    def _check_env_run(self) -> None:
+        """Refuse what an environment run (``runtime/envs.py``) cannot honour, one line each."""
+        name = f"env.name={self.env.name!r}"
+        if self.model.shared_prefix:
+            raise ValueError(f"{name}: a trajectory's later frames sit in its training row after its first turn; "
+                             "the shared-prefix passes score responses as text: set model.shared_prefix=false "
+                             "(and schedule.name=serial)")
+        if self.actor.backend != "torch":
+            raise ValueError(f"{name}: environment runs train with actor.backend=torch; got {self.actor.backend!r}")
+        if self.rollout.tensor_parallel_size != 1:
+            raise ValueError(f"{name}: environment runs decode at rollout.tensor_parallel_size=1; "
+                             f"got {self.rollout.tensor_parallel_size}")
+        if self.env.context_window is not None and self.env.context_window < self.env.max_turns:
+            raise ValueError(f"{name}: env.context={self.env.context} drops observations a turn saw; training on "
+                             f"trajectories needs env.context=full or window:<k> with k >= env.max_turns={self.env.max_turns}")
+        if self.trainer.val_freq > 0 or self.trainer.val_before_train:
+            raise ValueError(f"{name}: validation runs single-turn prompts, not environment episodes; set "
+                             "trainer.val_freq=0 trainer.val_before_train=false (env/success_rate is the training "
+                             "trajectories')")
+        if self.rollout.n < 2 and self.algorithm.adv_estimator in ("grpo", "rloo"):
+            raise ValueError(f"{name}: algorithm.adv_estimator={self.algorithm.adv_estimator} compares the rollout.n "
+                             f"trajectories of a seed; got rollout.n={self.rollout.n}")
 
 
 def register_configs() -> None:
@@ -639,7 +631,8 @@ def register_configs() -> None:
 
 
 def to_config(cfg: DictConfig) -> Config:
-    """Turn a composed Hydra config into validated dataclasses.
+    """Turn a composed Hydra config into validated dataclasses (derived values unresolved:
+    ``rollplex_train.resolve.resolve`` sets them before a run).
 
     The composed config is merged once more into a fresh structured ``Config``, so a key that the
     schema lacks is an error even when it was appended with ``+key=value``.

@@ -6,9 +6,18 @@
   on two CUDA streams of their own, so prefix kernels fill the SMs that memory-bound decode leaves idle.
 - ``green`` (GPU, one process, torch >= 2.13): as ``streams``, each stream belonging to a CUDA green
   context holding a number of SMs (``torch.cuda.green_contexts.GreenContext.create(num_sms=...,
-  device_id=...)`` and its ``Stream()``; torch 2.13 ``torch/cuda/green_contexts.py``).
+  device_id=...)`` and its ``Stream()``; torch 2.13 ``torch/cuda/green_contexts.py``; ``Stream()``
+  came with pytorch PR #171116, so an older torch's green contexts are refused). The two halves
+  MAY OVERLAP: each ``GreenContext.create`` splits its SMs off the whole device
+  (``cuDevSmResourceSplitByCount`` on the device's resource, ``aten/src/ATen/cuda/CUDAGreenContext.cpp``),
+  so the decode and the prefix context can be given the same SMs; a disjoint split needs one
+  ``cuDevSmResourceSplit`` call for both (pytorch PR #198178, open in 2026-12). ``auto`` therefore
+  never picks ``green``.
 - ``mps`` (GPU, one process per worker: ``cluster.executor=ray``): MPS static SM partitions (driver
   CUDA >= 13.1, ``nvidia-cuda-mps-control`` with ``sm_partition add`` and ``CUDA_MPS_SM_PARTITION``).
+
+- ``auto``: :func:`resolve_share` picks ``cores`` on CPU and across processes, ``streams`` for a GPU in
+  one process: never a share the installed torch lacks. Every other value is forced as written.
 
 The planner's share unit is a "device unit": a torch thread on CPU, an SM on GPU
 (:func:`device_units`). A share that the machine cannot give is refused in one line before any
@@ -31,6 +40,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SHARES = ("cores", "streams", "green", "mps")
+CHOICES = SHARES + ("auto",)
 MPS_MIN_DRIVER_CUDA = (13, 1)
 GREEN_MIN_TORCH = (2, 13)
 
@@ -42,9 +52,9 @@ def check_config(share: str, device: str, executor: str) -> None:
         ValueError: an unknown share; ``streams``/``green``/``mps`` on ``cluster.device=cpu``;
             ``streams``/``green`` across processes (``cluster.executor=ray``); ``mps`` in one process.
     """
-    if share not in SHARES:
-        raise ValueError(f"cluster.device_share={share!r}: expected one of {list(SHARES)}")
-    if share == "cores":
+    if share not in CHOICES:
+        raise ValueError(f"cluster.device_share={share!r}: expected one of {list(CHOICES)}")
+    if share in ("cores", "auto"):
         return
     if device != "cuda":
         raise ValueError(f"cluster.device_share={share}: a CPU device is shared by its cores; it needs "
@@ -66,6 +76,8 @@ class MachineFacts:
         green_contexts: torch was built with green-context support (``torch.cuda.green_contexts.SUPPORTED``).
         driver_cuda: the driver's CUDA version (major, minor), None when unknown.
         mps_control: path of ``nvidia-cuda-mps-control``, None when not on ``PATH``.
+        green_streams: torch's green contexts have ``Stream()`` (the C++ class has it: the Python
+            shim of torch 2.13 defines the method whatever the build holds).
     """
 
     gpus: int
@@ -73,6 +85,7 @@ class MachineFacts:
     green_contexts: bool
     driver_cuda: Optional[tuple[int, int]]
     mps_control: Optional[str]
+    green_streams: bool = False
 
 
 def _driver_cuda() -> Optional[tuple[int, int]]:
@@ -95,12 +108,13 @@ def probe() -> MachineFacts:
         from torch.cuda import green_contexts
 
         green = bool(getattr(green_contexts, "SUPPORTED", False))
+        streams = green and hasattr(getattr(green_contexts, "_GreenContext", object), "Stream")
     except ImportError:
-        green = False
+        green = streams = False
     gpus = torch.cuda.device_count()
     return MachineFacts(gpus=gpus, torch_version=(major, minor), green_contexts=green,
                         driver_cuda=_driver_cuda() if gpus else None,
-                        mps_control=shutil.which("nvidia-cuda-mps-control"))
+                        mps_control=shutil.which("nvidia-cuda-mps-control"), green_streams=streams)
 
 
 def check_machine(share: str, facts: Optional[MachineFacts] = None) -> None:
@@ -108,9 +122,12 @@ def check_machine(share: str, facts: Optional[MachineFacts] = None) -> None:
 
     Raises:
         RuntimeError: no GPU for streams/green/mps; green without torch green-context support
-            (torch >= 2.13 built with it); mps without driver CUDA >= 13.1 or ``nvidia-cuda-mps-control``,
-            and mps where it has them (the per-actor ``CUDA_MPS_SM_PARTITION`` is not wired yet).
+            (torch >= 2.13 built with it) or without ``GreenContext.Stream()``; mps without driver
+            CUDA >= 13.1 or ``nvidia-cuda-mps-control``, and mps where it has them (the per-actor
+            ``CUDA_MPS_SM_PARTITION`` is not wired yet). ``auto`` is resolved first (:func:`resolve_share`).
     """
+    if share == "auto":
+        raise ValueError("cluster.device_share=auto: resolve it first (device_share.resolve_share)")
     if share == "cores":
         return
     facts = facts or probe()
@@ -120,6 +137,9 @@ def check_machine(share: str, facts: Optional[MachineFacts] = None) -> None:
         raise RuntimeError(f"cluster.device_share=green: torch {'.'.join(map(str, facts.torch_version))} has no "
                            f"CUDA green contexts (needs torch >= {'.'.join(map(str, GREEN_MIN_TORCH))} built "
                            "with them); use streams")
+    if share == "green" and not facts.green_streams:
+        raise RuntimeError(f"cluster.device_share=green: torch {'.'.join(map(str, facts.torch_version))}'s green "
+                           "contexts have no Stream() (pytorch PR #171116); use streams")
     if share == "mps":
         if facts.driver_cuda is None or facts.driver_cuda < MPS_MIN_DRIVER_CUDA:
             raise RuntimeError(f"cluster.device_share=mps: static SM partitions need driver CUDA >= 13.1 "
@@ -128,6 +148,23 @@ def check_machine(share: str, facts: Optional[MachineFacts] = None) -> None:
             raise RuntimeError("cluster.device_share=mps: nvidia-cuda-mps-control is not on PATH")
         raise RuntimeError("cluster.device_share=mps: this machine has MPS static partitions, but the workers do "
                            "not set CUDA_MPS_SM_PARTITION yet; use cores (time-sliced) or the in-process streams")
+
+
+def resolve_share(share: str, device: str, executor: str, facts: Optional[MachineFacts] = None) -> str:
+    """The share a run uses: ``share`` itself unless it is ``auto``, which is ``cores`` on a CPU
+    device, across processes (``mps`` is not wired) or where torch sees no GPU, and ``streams`` for
+    a GPU in one process (never ``green``: its halves may overlap, module docstring). Probes this
+    machine only for ``auto`` on ``cuda`` in one process (that is the workers' machine).
+
+    Raises:
+        ValueError: an unknown share (``check_config``).
+    """
+    check_config(share, device, executor)
+    if share != "auto":
+        return share
+    if device != "cuda" or executor != "inprocess":
+        return "cores"
+    return "streams" if (facts or probe()).gpus > 0 else "cores"
 
 
 def device_units(device: str, threads_per_device: int, gpu_index: int = 0) -> int:
@@ -164,6 +201,8 @@ class SideStream:
 
             self.context = GreenContext.create(num_sms=num_sms, device_id=device.index or 0)
             self.stream = self.context.Stream()
+            log.warning("green context of %d SMs: split off the whole device, it may share SMs with the other "
+                        "side's (device_share.py)", num_sms)
         elif share == "streams":
             self.context = None
             self.stream = torch.cuda.Stream(device=device)

@@ -1,7 +1,7 @@
-"""The single controller: data -> schedule (workers) -> metrics, checkpoints, validation.
+"""The single controller: data -> step (workers) -> metrics, checkpoints, validation.
 
 The loop reads like the algorithm (EasyR1 ``ray_trainer.fit``): take a prompt batch, run one
-synchronous on-policy step through the schedule, log, validate every ``trainer.val_freq`` steps,
+synchronous on-policy step (``runtime/step.run_step``), log, validate every ``trainer.val_freq`` steps,
 checkpoint every ``trainer.save_freq`` steps. Everything that can be checked before a worker starts
 (checkpoint path, data files and columns, reward function) is checked in ``__init__``.
 """
@@ -28,6 +28,7 @@ from rollplex_train.config import Config
 from rollplex_train.data.dataset import PromptDataset
 from rollplex_train.data.loader import PromptLoader
 from rollplex_train.models.loading import check_checkpoint_dir, load_tokenizer, load_vision_spec
+from rollplex_train.resolve import resolve
 from rollplex_train.tracking.checkpoint import CheckpointManager, load_json, save_json
 from rollplex_train.tracking.loggers import Tracker
 from rollplex_train.tracking.plots import plot_val_accuracy
@@ -38,26 +39,30 @@ log = logging.getLogger(__name__)
 
 # Test hook: SIGKILL the driver at the start of this step (after the previous step's checkpoint).
 KILL_AT_STEP_ENV = "ROLLPLEX_KILL_AT_STEP"
+# Test hook: SIGKILL the last train rank's process at the start of this step (once per driver).
+KILL_WORKER_AT_STEP_ENV = "ROLLPLEX_KILL_WORKER_AT_STEP"
 
 
 class Trainer:
-    """Owns the run: datasets, reward, checkpoints, trackers; drives the schedule.
+    """Owns the run: datasets, reward, checkpoints, trackers; drives the steps.
 
     Args:
         cfg: validated config. output_dir: the run directory (metrics, checkpoints, exports).
 
     Raises:
         FileNotFoundError / ValueError: a missing checkpoint or data file, a missing column, an
-            empty dataset, or a bad reward function, before any worker is started.
+            empty dataset, a bad reward function, or a setting the chosen engines cannot honour
+            (``resolve.resolve``), before any worker is started.
     """
 
     def __init__(self, cfg: Config, output_dir: Path):
+        cfg = resolve(cfg)  # derived values and what the engines can do, in one logged step
         self.cfg, self.output_dir = cfg, Path(output_dir)
         # Names chosen by config fail here, before Ray and the workers start.
         get_adv_estimator(cfg.algorithm.adv_estimator)
         for engine in (ROLLOUT_ENGINES.get(cfg.rollout.name), TRAIN_ENGINES.get(cfg.actor.backend)):
             check = getattr(engine, "check_available", None)
-            if check is not None:  # an engine from an optional extra (SGLang, Megatron): usable for this run
+            if check is not None:  # an engine from an optional extra (SGLang, Megatron): usable on this machine
                 check(cfg)
         if cfg.cluster.device == "cuda" and cfg.cluster.address is None and torch.cuda.device_count() == 0:
             raise ValueError("cluster.device=cuda: no GPU is visible on this machine "
@@ -86,7 +91,8 @@ class Trainer:
             self.loader.check_state(self.resume_state["loader"], cfg.data.resume_on_changed_data)
         self._check_lr_schedule()
         self.step = 0
-        self.schedule = None
+        self._killed_worker = False  # the worker-kill test hook fired
+        self.run = None  # runtime.step.Run, once the workers are up
         self.tracker: Optional[Tracker] = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
 
@@ -107,33 +113,93 @@ class Trainer:
 
     # ---- run --------------------------------------------------------------------------------------
     def fit(self) -> dict[str, float]:
-        """Train for ``trainer.total_steps`` steps (resuming if asked); returns the last metrics."""
-        from rollplex_train.cluster.launch import create_workers
-        from rollplex_train.runtime import make_schedule
+        """Train for ``trainer.total_steps`` steps (resuming if asked); returns the last metrics.
 
-        cfg = self.cfg
+        A failed worker (``cluster.failures.diagnose``) tears every worker down; with restarts left
+        (``trainer.max_restarts``) the workers start again and the run resumes from its last
+        checkpoint (from the start without one), each restart logged.
+
+        Raises:
+            cluster.failures.WorkerFailure: a worker failed and no restart is left (its
+                ``last_checkpoint`` attribute set).
+        """
+        from rollplex_train.cluster.failures import diagnose, tear_down
+
         if self._already_finished():
             return {}
         tracker = self._start_tracker()  # before Ray and any worker: a tracker that fails costs nothing
-        last: dict[str, float] = {}
-        bar = workers = None
+        restarts = 0
         try:
-            workers = create_workers(cfg, self.output_dir)
-            self.schedule = make_schedule(cfg, workers, self.reward, self.tokenizer.pad_token_id)
-            self._maybe_resume()
-            if cfg.trainer.val_before_train and self.step == 0 and self.val_set is not None:
-                last = self.validate()
-                tracker.log(last, step=0)
-            bar = ProgressBar(cfg.trainer.total_steps, initial=self.step, enabled=cfg.trainer.progress_bar)
+            while True:
+                workers = None
+                try:
+                    workers = self._start_workers()
+                    return self._train(tracker, workers)
+                except Exception as err:
+                    failure = diagnose(workers, err) if workers is not None else None
+                    if failure is None:
+                        raise
+                    failure.step, failure.last_checkpoint = self.step, self.last_checkpoint()
+                    if failure.raised:  # the worker's traceback goes to the log; stderr gets one line
+                        log.error("%s", failure, exc_info=err)
+                    tear_down(workers)
+                    workers = None
+                    if restarts >= self.cfg.trainer.max_restarts:
+                        raise failure from None
+                    restarts += 1
+                    log.warning("restart %d of %d (trainer.max_restarts): %s at step %d; resuming from %s",
+                                restarts, self.cfg.trainer.max_restarts, failure, self.step,
+                                failure.last_checkpoint or "the start (no checkpoint yet)")
+                    self._rewind(failure.last_checkpoint)
+                    tracker.close()  # the history cut back to the checkpoint, as a resume does
+                    tracker = self._start_tracker()
+                finally:
+                    if workers is not None:
+                        workers.shutdown()
+        finally:
+            tracker.close()
+
+    def _start_workers(self):
+        """The workers up, the run built on them, the checkpoint to resume loaded."""
+        from rollplex_train.cluster.launch import create_workers
+        from rollplex_train.runtime import make_run
+
+        workers = create_workers(self.cfg, self.output_dir)
+        self.run = make_run(self.cfg, workers, self.reward, self.tokenizer.pad_token_id)
+        self._maybe_resume()
+        return workers
+
+    def _rewind(self, checkpoint: Optional[Path]) -> None:
+        """Back to ``checkpoint`` (None: the run's start) before a restart."""
+        self.resume_from = checkpoint
+        self.resume_state = load_json(Path(checkpoint) / "trainer_state.json") if checkpoint else None
+        if checkpoint is None:
+            self.step = 0
+            self.loader = PromptLoader(self.train_set, self.cfg.data.rollout_batch_size, self.cfg.data.shuffle,
+                                       self.cfg.data.seed)
+
+    def _train(self, tracker: Tracker, workers) -> dict[str, float]:
+        """The step loop from ``self.step`` to ``trainer.total_steps``; returns the last metrics."""
+        from rollplex_train.runtime.step import run_step
+
+        cfg = self.cfg
+        last: dict[str, float] = {}
+        if cfg.trainer.val_before_train and self.step == 0 and self.val_set is not None:
+            last = self.validate()
+            tracker.log(last, step=0)
+        bar = ProgressBar(cfg.trainer.total_steps, initial=self.step, enabled=cfg.trainer.progress_bar)
+        try:
             while self.step < cfg.trainer.total_steps:
                 self.step += 1
-                self._fault_hook()
+                self._fault_hook(workers)
                 prompts, num_skipped = self.loader.next_batch()
-                metrics = self.schedule.run_step(prompts, self.step)
+                result = run_step(self.run, prompts, self.step)
+                metrics = result.metrics
                 if self.step in cfg.trainer.trace_steps:
-                    self.schedule.timeline.write_chrome_trace(self.output_dir / "traces" / f"step_{self.step}.json")
+                    result.timeline.write_chrome_trace(self.output_dir / "traces" / f"step_{self.step}.json")
                 if cfg.trainer.rollout_data_dir:
-                    dump_rollouts(self.output_dir / cfg.trainer.rollout_data_dir, self.step, *self.schedule.last_rollout)
+                    dump_rollouts(self.output_dir / cfg.trainer.rollout_data_dir, self.step, result.batch,
+                                  result.responses, result.scores)
                 metrics["data/skipped"] = float(num_skipped)
                 metrics["data/skipped_total"] = float(sum(self.train_set.skipped.values()))
                 metrics["training/epoch"] = float(self.loader.state_dict().get("epoch", 0))
@@ -152,11 +218,7 @@ class Trainer:
             if cfg.trainer.export_hf:
                 workers.train.export_hf(str(self.output_dir / "hf_actor"))
         finally:
-            if bar is not None:
-                bar.close()
-            tracker.close()
-            if workers is not None:
-                workers.shutdown()
+            bar.close()
         return last
 
     def validate(self) -> dict[str, float]:
@@ -164,7 +226,7 @@ class Trainer:
         ``val/<task>/accuracy``; at most ``data.max_val_samples`` prompts)."""
         accuracy_by_task: dict[str, list[float]] = defaultdict(list)
         for prompts in self.val_set.iter_all(self.cfg.data.val_batch_size, self.cfg.data.max_val_samples):
-            responses = self.schedule.generate_val(prompts, self.step)
+            responses = self.run.generate_val(prompts, self.step)
             owners = [prompts[r.prompt_index] for r in responses]
             scores, _ = self.val_reward.score(
                 [r.text for r in responses], [p.ground_truth for p in owners], [p.uid for p in owners],
@@ -183,7 +245,7 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Atomically write the actor/optimizer (by the train worker) and the driver's state."""
         def write(directory: Path) -> None:
-            self.schedule.workers.train.save_checkpoint(str(directory))
+            self.run.workers.train.save_checkpoint(str(directory))
             save_json(self._driver_state(), directory / "trainer_state.json")
 
         path = self.ckpt.save(self.step, write)
@@ -245,9 +307,9 @@ class Trainer:
             "step": self.step,
             "wandb_run_id": self.tracker.wandb_run_id if self.tracker is not None else None,
             "loader": self.loader.state_dict(),
-            "weights_version": self.schedule.weights_version,
+            "weights_version": self.run.weights_version,
             "lr_schedule": self.lr_schedule(),
-            "schedule": self.schedule.state_dict(),
+            "schedule": self.run.state_dict(),
             "python_rng": repr(random.getstate()),
             "numpy_seed_state": int(np.random.get_state()[1][0]),
             "torch_seed": int(torch.initial_seed()),
@@ -258,17 +320,25 @@ class Trainer:
         if path is None:
             return None
         state = self.resume_state
-        version = self.schedule.workers.train.load_checkpoint(str(path))
+        version = self.run.workers.train.load_checkpoint(str(path))
         self.loader.load_state_dict(state["loader"], self.cfg.data.resume_on_changed_data)
-        self.schedule.load_state_dict(state.get("schedule", {}))
+        self.run.load_state_dict(state.get("schedule", {}))
         self.step = int(state["step"])
         if version > 0:
-            self.schedule.sync_weights(version)
+            self.run.sync_weights(version)
         log.info("resumed from %s at step %d (weights version %d)", path, self.step, version)
         return Path(path)
 
-    def _fault_hook(self) -> None:
+    def _fault_hook(self, workers) -> None:
         kill_at = os.environ.get(KILL_AT_STEP_ENV)
         if kill_at is not None and int(kill_at) == self.step:
             log.warning("%s=%s: killing the driver with SIGKILL", KILL_AT_STEP_ENV, kill_at)
             os.kill(os.getpid(), signal.SIGKILL)
+        worker_at = os.environ.get(KILL_WORKER_AT_STEP_ENV)  # once per driver: a restart passes the step again
+        if worker_at is not None and int(worker_at) == self.step and not self._killed_worker:
+            self._killed_worker = True
+            rank = workers.train.dp_size - 1
+            pid = workers.executor.call(workers.train.handles[rank], "pid").result()
+            log.warning("%s=%s: killing train rank %d (pid %d) with SIGKILL", KILL_WORKER_AT_STEP_ENV, worker_at,
+                        rank, pid)
+            os.kill(pid, signal.SIGKILL)

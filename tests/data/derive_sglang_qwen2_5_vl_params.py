@@ -8,7 +8,8 @@ SGLang line it follows; every module below is constructed by
 * ``self.model = Qwen2Model(config, prefix="model")`` (``models/qwen2.py``):
   ``embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size)`` -> rows
   ``pad_vocab_size(vocab, 64) / tp`` (``layers/vocab_parallel_embedding.py``:
-  ``DEFAULT_VOCAB_PADDING_SIZE = 64``); per layer ``input_layernorm``/``post_attention_layernorm =
+  ``DEFAULT_VOCAB_PADDING_SIZE = 64``; ``VocabParallelEmbedding.__init__`` multiplies the padding by
+  tp when tp does not divide ``pad_vocab_size(vocab, 64)``); per layer ``input_layernorm``/``post_attention_layernorm =
   RMSNorm(hidden)`` (``weight``); ``self_attn.qkv_proj = QKVParallelLinear(hidden, head_dim, nq, nkv,
   bias=True)`` -> rows ``(nq/tp + 2 * kv_per_rank) * head_dim`` with ``kv_per_rank = 1`` when
   ``tp >= nkv`` (``layers/linear.py``: ``num_kv_head_replicas``) else ``nkv/tp``;
@@ -58,7 +59,8 @@ def sglang_params(text: dict, vision: dict, tie: bool, tp: int) -> dict[str, lis
     hd = text.get("head_dim") or h // nq
     inter, vocab = text["intermediate_size"], text["vocab_size"]
     kv_rank = 1 if tp >= nkv else _div(nkv, tp)
-    p: dict[str, list[int]] = {"model.embed_tokens.weight": [_div(_pad(vocab, 64), tp), h]}
+    rows = _pad(vocab, 64) if _pad(vocab, 64) % tp == 0 else _pad(vocab, 64 * tp)
+    p: dict[str, list[int]] = {"model.embed_tokens.weight": [_div(rows, tp), h]}
     for i in range(text["num_hidden_layers"]):
         pre = f"model.layers.{i}."
         p[pre + "self_attn.qkv_proj.weight"] = [(_div(nq, tp) + 2 * kv_rank) * hd, h]
@@ -70,7 +72,7 @@ def sglang_params(text: dict, vision: dict, tie: bool, tp: int) -> dict[str, lis
         p[pre + "post_attention_layernorm.weight"] = [h]
     p["model.norm.weight"] = [h]
     if not tie:
-        p["lm_head.weight"] = [_div(_pad(vocab, 64), tp), h]
+        p["lm_head.weight"] = [_div(rows, tp), h]
     vh, heads = vision["hidden_size"], vision["num_heads"]
     vhd = vh // heads
     vinter = _pad(vision["intermediate_size"], 8)

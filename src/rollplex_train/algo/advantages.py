@@ -25,9 +25,32 @@ from rollplex_train.registry import Registry
 
 AdvEstimatorFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 ADV_ESTIMATORS: Registry[AdvEstimatorFn] = Registry("algorithm.adv_estimator")
-register_adv_estimator = ADV_ESTIMATORS.register
 get_adv_estimator = ADV_ESTIMATORS.get
 known_adv_estimators = ADV_ESTIMATORS.names
+
+
+def register_adv_estimator(name: str, needs_group: bool = False) -> Callable[[AdvEstimatorFn], AdvEstimatorFn]:
+    """Decorator registering an estimator under ``name``; ``needs_group``: its baseline is the
+    other responses of the same prompt, so it needs ``rollout.n >= 2`` (set as ``fn.needs_group``).
+
+    Raises:
+        ValueError: another estimator is already registered under ``name``.
+    """
+
+    def decorator(fn: AdvEstimatorFn) -> AdvEstimatorFn:
+        fn.needs_group = needs_group
+        return ADV_ESTIMATORS.register(name)(fn)
+
+    return decorator
+
+
+def needs_group(name: str) -> bool:
+    """Whether estimator ``name``'s baseline is its group (``register_adv_estimator(needs_group=True)``).
+
+    Raises:
+        ValueError: unknown ``name``.
+    """
+    return bool(getattr(get_adv_estimator(name), "needs_group", False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +174,7 @@ def _outcome(advantage: torch.Tensor, response_mask: torch.Tensor) -> tuple[torc
 # estimators
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", needs_group=True)
 def grpo_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -175,7 +198,7 @@ def grpo_advantage(
     return _outcome(adv, response_mask)
 
 
-@register_adv_estimator("drgrpo")
+@register_adv_estimator("drgrpo", needs_group=True)
 def drgrpo_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor, **_: object
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +211,7 @@ def drgrpo_advantage(
     return _outcome(scores.double() - mean, response_mask)
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", needs_group=True)
 def rloo_advantage(
     token_level_rewards: torch.Tensor, response_mask: torch.Tensor, group_index: torch.Tensor, **_: object
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,20 +11,17 @@ last ``\\boxed{...}`` of the response (EasyR1's r1v/math rewards use the same co
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import logging
 import math
 import numbers
 import re
 import threading
-import traceback
-from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from rollplex_train.registry import Registry
+from rollplex_train.registry import Registry, load_from_file
 
 logger = logging.getLogger(__name__)
 
@@ -212,37 +209,11 @@ def load_reward_function(spec: str) -> RewardFn:
         return REWARDS.get(spec)
     if ":" not in spec:
         raise ValueError(f"reward.function={spec!r}: expected one of {known_rewards()} or 'path/to/file.py:fn'")
-    path_str, fn_name = spec.rsplit(":", 1)
-    path = Path(path_str).expanduser()
-    if not fn_name or not path_str:
-        raise ValueError(f"reward.function={spec!r}: expected 'path/to/file.py:fn'")
-    if path.is_dir():
-        raise ValueError(f"reward.function={spec!r}: {str(path)!r} is a directory; expected a Python file")
-    if not path.is_file():
-        raise FileNotFoundError(f"reward.function={spec!r}: reward file {str(path)!r} not found")
-    module_name = f"rollplex_user_reward_{abs(hash(str(path.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"reward.function={spec!r}: cannot import {str(path)!r} as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as err:  # noqa: BLE001 - the user's file may raise anything while it imports
-        raise ValueError(f"reward.function={spec!r}: importing {str(path)!r} failed at {_where(err, path)}: "
-                         f"{type(err).__name__}: {err}") from err
-    fn = getattr(module, fn_name, None)
+    fn = load_from_file(spec, "reward.function", "reward")
     if not callable(fn):
-        raise ValueError(f"reward.function={spec!r}: file {str(path)!r} has no callable {fn_name!r}")
+        path, _, name = spec.rpartition(":")
+        raise ValueError(f"reward.function={spec!r}: file {path!r} has no callable {name!r}")
     return fn
-
-
-def _where(err: BaseException, path: Path) -> str:
-    """``file:line`` of the innermost frame of ``err`` inside the reward file ``path`` (a syntax
-    error's own position; the file itself when no frame is in it)."""
-    if isinstance(err, SyntaxError) and err.filename:
-        return f"{err.filename}:{err.lineno}"
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == path.resolve()]
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else str(path)
 
 
 def _mean(values: torch.Tensor) -> float:

@@ -5,8 +5,13 @@ batch goes to every rank of its DP index (the TP/PP ranks of one model replica) 
 read from the replica's first rank. ``RolloutGroup`` owns one RolloutWorker per rollout engine
 (engine ``e`` spans devices ``e * rollout_tp ..``). A group's prompts go to the engines on the
 devices of the DP rank that will train on it. Calls return ``runtime.protocol.Pending`` results,
-so the schedules read the same on Ray and in one process (slime ``ray/actor_group.py``; verl's
+so the step reads the same on Ray and in one process (slime ``ray/actor_group.py``; verl's
 dispatch modes).
+
+Prompt identity: the driver knows a prompt only by its global index in the step (a
+``TrainBatch``'s ``group_index``, a ``Response``'s ``prompt_index``, a result's ``groups``). The
+workers know a DP rank's prompt list; :class:`StepPrompts` translates between the two, here and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Optional
 
-from rollplex_train.data.types import DecodeProgress, PromptSample, Response, TrainBatch, gather_rows
+import torch
+
+from rollplex_train.data.types import DecodeProgress, MiniBatchSpec, PromptSample, Response, TrainBatch, gather_rows
 from rollplex_train.runtime.protocol import ItemStream, Pending
 
 
@@ -24,11 +31,14 @@ class StepPrompts:
     Attributes:
         rank_of_group: (P,) DP rank of each prompt. groups_of_dp: per DP rank, its global prompt
             indices (ascending). refs: per DP rank, its prompt list (an object-store reference on
-            Ray, the list itself in process).
+            Ray, the list itself in process). groups_per_mini_batch: prompts per optimizer step
+            (each mini-batch was dealt over the ranks: ``runtime.planner.place_groups``).
     """
 
-    def __init__(self, executor, prompts: list[PromptSample], rank_of_group: list[int], dp_size: int):
+    def __init__(self, executor, prompts: list[PromptSample], rank_of_group: list[int], dp_size: int,
+                 groups_per_mini_batch: Optional[int] = None):
         self.prompts, self.rank_of_group = prompts, list(rank_of_group)
+        self.groups_per_mini_batch = groups_per_mini_batch or len(prompts)
         self.groups_of_dp = [[g for g, r in enumerate(rank_of_group) if r == dp] for dp in range(dp_size)]
         self.refs = [executor.put([prompts[g] for g in groups]) for groups in self.groups_of_dp]
 
@@ -36,6 +46,36 @@ class StepPrompts:
         """Positions of ``global_indices`` in DP rank ``dp``'s list."""
         where = {g: i for i, g in enumerate(self.groups_of_dp[dp])}
         return [where[g] for g in global_indices]
+
+    @property
+    def first_mini_batch(self) -> list[int]:
+        """The global prompt indices of the first optimizer step (it runs on the rollout's weights)."""
+        return list(range(min(self.groups_per_mini_batch, len(self.prompts))))
+
+    def owned(self, groups: list[int]) -> list[tuple[int, list[int]]]:
+        """``[(dp, its global prompt indices among groups)]`` for the DP ranks owning some of them."""
+        wanted = set(groups)
+        return [(dp, [g for g in mine if g in wanted]) for dp, mine in enumerate(self.groups_of_dp)
+                if any(g in wanted for g in mine)]
+
+    def part(self, batch: TrainBatch, dp: int, groups: list[int]) -> TrainBatch:
+        """The rows of ``groups`` (global prompt indices, all owned by ``dp``) of ``batch`` (a batch
+        over the step's prompts, ``group_index`` global) as DP rank ``dp`` reads them: its prompt
+        list by reference, ``group_index`` local to it, ``source_rows`` the rows in ``batch``."""
+        rows = batch.rows_of(groups)
+        part = batch.at_rows(rows)
+        return replace(part, prompts=self.refs[dp], source_rows=rows,
+                       group_index=torch.tensor(self.local(dp, part.group_index.tolist()), dtype=torch.long))
+
+    def update_part(self, batch: TrainBatch, dp: int, whole: list[MiniBatchSpec]) -> TrainBatch:
+        """DP rank ``dp``'s part of the step's ``batch`` for the update: all its groups (``part``)
+        and one ``MiniBatchSpec`` per global mini-batch of ``whole`` (``TrainBatch.plan_mini_batches``)
+        with the global token/sequence counts and its own groups' local indices, so that every rank
+        takes the same optimizer steps and normalises its losses over the whole mini-batch."""
+        mine = self.groups_of_dp[dp]
+        local = {g: i for i, g in enumerate(mine)}
+        specs = [MiniBatchSpec(tuple(local[g] for g in s.groups if g in local), s.num_tokens, s.num_seqs) for s in whole]
+        return replace(self.part(batch, dp, mine), mini_batches=specs)
 
 
 class TrainGroup:
@@ -54,24 +94,14 @@ class TrainGroup:
     def dp_size(self) -> int:
         return self.layout.train_dp
 
-    def place(self, prompts: list[PromptSample], rank_of_group: list[int]) -> StepPrompts:
+    def place(self, prompts: list[PromptSample], rank_of_group: list[int],
+              groups_per_mini_batch: Optional[int] = None) -> StepPrompts:
         """The step's prompts on their DP ranks, each rank's list put in the object store once."""
-        return StepPrompts(self.ex, prompts, rank_of_group, self.dp_size)
+        return StepPrompts(self.ex, prompts, rank_of_group, self.dp_size, groups_per_mini_batch)
 
     def _replica(self, dp: int) -> list[int]:
         """The ranks of DP index ``dp`` (one model replica)."""
         return [r for r in range(self.layout.world_size) if self.layout.train_coords(r).dp == dp]
-
-    def _fan(self, method: str, per_dp_args: list[tuple], combine) -> Pending:
-        """Call ``method`` on every rank with its DP index's arguments; ``combine`` gets the
-        results of the DP leaders, in DP order."""
-        futures, leader_slots = [], []
-        for dp, args in enumerate(per_dp_args):
-            for rank in self._replica(dp):
-                if rank == self.leaders[dp]:
-                    leader_slots.append(len(futures))
-                futures.append(self.ex.call(self.handles[rank], method, *args))
-        return Pending(futures, lambda values: combine([values[i] for i in leader_slots]))
 
     def _all(self, method: str, *args, combine=None) -> Pending:
         """Call ``method(*args)`` on every rank; ``combine`` gets all results in rank order
@@ -79,55 +109,59 @@ class TrainGroup:
         futures = [self.ex.call(h, method, *args) for h in self.handles]
         return Pending(futures, combine or (lambda values: values[0]))
 
-    # ---- step work ----------------------------------------------------------------------------
-    def parts(self, batch: TrainBatch, step: StepPrompts, groups_per_mini_batch: int) -> list[TrainBatch]:
-        """The whole batch cut into DP parts (whole groups, global mini-batch counts), each part's
-        prompts replaced by the step's object-store reference."""
-        parts = batch.split_by_rank(step.rank_of_group, self.dp_size, groups_per_mini_batch)
-        return [replace(p, prompts=ref) for p, ref in zip(parts, step.refs)]
+    # ---- step work (global prompt indices in, global prompt indices out) ----------------------
+    def log_probs(self, batch: TrainBatch, step: StepPrompts, groups: list[int], role: str,
+                          temperature: float) -> Pending:
+        """(N, R) float32 log-probs under ``role`` of the rows of ``groups`` (global prompt indices)
+        of ``batch`` (``group_index`` global), each group scored on the DP rank that owns it; the
+        other rows stay 0."""
+        owned = step.owned(groups)
+        parts = [step.part(batch, dp, mine) for dp, mine in owned]
+        return self._on_owners(owned, "compute_log_probs", lambda k, dp, mine, leader: (parts[k], role, temperature),
+                               lambda outs, _: gather_rows(parts, outs, batch.num_responses, complete=False))
 
-    def compute_log_probs(self, parts: list[TrainBatch], role: str, temperature: float,
-                          num_rows: int) -> Pending:
-        """(num_rows, R) float32 log-probs of the whole batch, gathered from the DP parts."""
-        return self._fan("compute_log_probs", [(p, role, temperature) for p in parts],
-                         lambda outs: gather_rows(parts, [o[0] for o in outs], num_rows))
-
-    def update_actor(self, parts: list[TrainBatch], temperature: float) -> Pending:
-        """One PPO update over the DP parts (gradients summed over DP in the engines); metrics of
-        the first replica (loss metrics are already global sums there)."""
-        return self._fan("update_actor", [(p, temperature) for p in parts], lambda outs: outs[0])
+    def update_actor(self, batch: TrainBatch, step: StepPrompts, temperature: float, old_from_actor: bool) -> Pending:
+        """One PPO update over the whole step's batch, cut into DP parts (whole groups, global
+        mini-batch counts; gradients summed over DP in the engines); metrics of the first replica
+        (loss metrics are already global sums there). ``old_from_actor``: the first mini-batch's
+        old log-probs are the actor's forward (``runtime/old_policy.reuse_actor_forward``)."""
+        whole = batch.plan_mini_batches(step.groups_per_mini_batch)
+        parts = [step.update_part(batch, dp, whole) for dp in range(self.dp_size)]
+        every = list(enumerate(step.groups_of_dp))  # a rank without groups still joins the gradient sum
+        return self._on_owners(every, "update_actor", lambda k, dp, mine, leader: (parts[k], temperature, old_from_actor),
+                               lambda outs, _: outs[0])
 
     def precompute_prefixes(self, step: StepPrompts, groups: list[int], roles: list[str], version: int,
                             export: bool = False) -> Pending:
         """Prefix tasks for the global prompt indices ``groups``, each on the DP rank that owns it
-        (ranks with none are skipped); result: ``[(dp, result dict of the replica's first rank)]``.
-        ``export``: each result also holds ``prefix/states``, the rank's states in ``groups`` order."""
-        return self._on_owners(step, groups, "precompute_prefixes", lambda dp, mine, leader: (
-            step.refs[dp], roles, version, step.local(dp, mine), export and leader))
+        (ranks with none are skipped); result: one ``PrefixResult`` per such rank, its ``groups``
+        set (with ``export``, ``states`` in ``groups`` order)."""
+        return self._on_owners(step.owned(groups), "precompute_prefixes", lambda k, dp, mine, leader: (
+            step.refs[dp], roles, version, step.local(dp, mine), export and leader),
+            lambda outs, owned: [replace(r, dp=dp, groups=mine) for r, (dp, mine) in zip(outs, owned)])
 
     def score_suffix_chunks(self, step: StepPrompts, role: str, tokens: dict, width: int, version: int,
                             final: bool = False) -> Pending:
         """Suffix chunks of the global prompt indices in ``tokens`` (-> (n, t) tokens decoded so
-        far), each on the DP rank that owns it; result: ``[(dp, result dict of the replica's first
-        rank)]`` (``TrainEngine.score_suffix_chunks``; ``final``: the pass's last chunk)."""
-        return self._on_owners(step, list(tokens), "score_suffix_chunks", lambda dp, mine, leader: (
+        far), each on the DP rank that owns it; result: one ``ChunkResult`` per such rank
+        (``TrainEngine.score_suffix_chunks``; ``final``: the pass's last chunk)."""
+        return self._on_owners(step.owned(list(tokens)), "score_suffix_chunks", lambda k, dp, mine, leader: (
             step.refs[dp], role, dict(zip(step.local(dp, mine), (tokens[g] for g in mine))), width, version, final))
 
-    def _on_owners(self, step: StepPrompts, groups: list[int], method: str, args_of) -> Pending:
-        """Call ``method(*args_of(dp, its groups, is_leader))`` on every rank of each DP index that
-        owns some of the global prompt indices ``groups`` (the others are skipped); result:
-        ``[(dp, result of the replica's first rank)]``."""
+    def _on_owners(self, owned: list[tuple[int, list[int]]], method: str, args_of, combine=None) -> Pending:
+        """Call ``method(*args_of(k, dp, its groups, is_leader))`` on every rank of the ``k``-th DP
+        index of ``owned`` (``[(dp, global prompt indices)]``, e.g. ``StepPrompts.owned``; the DP
+        ranks not in it are skipped); ``combine(leader results, owned)`` (default: the leaders'
+        results, in ``owned`` order)."""
         futures, leaders = [], []
-        for dp in range(self.dp_size):
-            mine = [g for g in groups if step.rank_of_group[g] == dp]
-            if not mine:
-                continue
+        for k, (dp, mine) in enumerate(owned):
             for r in self._replica(dp):
                 leader = r == self.leaders[dp]
                 if leader:
-                    leaders.append((dp, len(futures)))
-                futures.append(self.ex.call(self.handles[r], method, *args_of(dp, mine, leader)))
-        return Pending(futures, lambda values: [(dp, values[i]) for dp, i in leaders])
+                    leaders.append(len(futures))
+                futures.append(self.ex.call(self.handles[r], method, *args_of(k, dp, mine, leader)))
+        done = combine or (lambda outs, _: outs)
+        return Pending(futures, lambda values: done([values[i] for i in leaders], owned))
 
     def set_threads(self, threads: int) -> Pending:
         return self._all("set_threads", threads)
@@ -246,6 +280,18 @@ class RolloutGroup:
             self.ex.stream(self.handles[e], "generate_stream", args, stream, tag=tuple(idx))
             following += self._follow(e, "follow_stream", *args)
         return ResponseStream(stream, following)
+
+    def rollout_envs(self, env_cfg, model_path: str, seeds: list[int], params, version: Optional[int],
+                     uid_prefix: str) -> Pending:
+        """``params.n`` environment trajectories per seed, the seeds dealt in contiguous runs over the
+        engines (a TP engine's followers are not driven: environment runs are refused at rollout TP
+        > 1 by ``config``); the combined result is every trajectory, seed-major in ``seeds`` order."""
+        share = -(-len(seeds) // len(self.handles))
+        runs = [seeds[k * share:(k + 1) * share] for k in range(len(self.handles))]
+        calls = [(h, run) for h, run in zip(self.handles, runs) if run]
+        futures = [self.ex.call(h, "rollout_envs", env_cfg, model_path, run, params, version, uid_prefix)
+                   for h, run in calls]
+        return Pending(futures, lambda outs: [t for out in outs for t in out])
 
     def set_threads(self, threads: int) -> Pending:
         """A share change that reaches engines while they decode (applied at their next step)."""

@@ -60,6 +60,26 @@ def _tp_rendezvous(executor, device: int) -> tuple[str, int]:
     return ray.get(ray.remote(free_port_and_ip).options(**executor.placement.actor_options(device, 0)).remote())
 
 
+def check_sweep_job() -> None:
+    """In a Hydra sweep job that submitit started (``hydra/launcher=submitit_slurm`` or
+    ``submitit_local``): the job must be one task, since every task runs the whole driver (each would
+    start a Ray cluster and train the same point). A point over several nodes runs through
+    ``launch/slurm_ray.sbatch`` instead (docs/cluster.md).
+
+    Raises:
+        ValueError: the job has more than one task (names the ``hydra.launcher`` keys).
+    """
+    if not os.environ.get("SUBMITIT_EXECUTOR"):  # not a submitit job
+        return
+    import submitit
+
+    tasks = submitit.JobEnvironment().num_tasks
+    if tasks > 1:
+        raise ValueError(f"hydra.launcher: this sweep job has {tasks} tasks, but each job runs one driver that starts "
+                         "its own Ray cluster; set hydra.launcher.nodes=1 and hydra.launcher.tasks_per_node=1 (a "
+                         "multi-node point runs through launch/slurm_ray.sbatch)")
+
+
 def create_workers(cfg: Config, output_dir: Path) -> Workers:
     """Build and wait for every worker of the run (engines loaded, process groups joined).
 
@@ -71,11 +91,12 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
         TimeoutError: the Ray cluster cannot hold the devices.
     """
     from rollplex_train.cluster.workers import RolloutWorker, TrainWorker
-    from rollplex_train.device_share import check_machine
+    from rollplex_train.device_share import check_machine, resolve_share
 
     layout = ParallelLayout.from_config(cfg)
+    share = resolve_share(cfg.cluster.device_share, layout.device, cfg.cluster.executor)  # auto -> a share
     if cfg.cluster.executor == "inprocess" or cfg.cluster.address is None:  # the workers' machine is this one
-        check_machine(cfg.cluster.device_share)  # a share it cannot give fails before any worker starts
+        check_machine(share)  # a share it cannot give fails before any worker starts
     threads = layout.threads_per_device
     authkey = os.urandom(32) if cfg.sharing.enabled else None
     if cfg.cluster.executor == "inprocess":
@@ -98,7 +119,7 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
             address = ray.get(probe.remote())
     gpu = 0.5 if layout.device == "cuda" else 0.0
     train = [executor.spawn(TrainWorker, (cfg.actor.backend, cfg.model, cfg.actor, cfg.algorithm, cfg.trainer.seed,
-                                          threads, authkey, layout, rank, address, cfg.cluster.device_share),
+                                          threads, authkey, layout, rank, address, share),
                            rank, gpu)
              for rank in range(layout.world_size)]
     # concurrency 2: a share change (set_threads) reaches the rollout worker while it decodes. The
@@ -110,7 +131,7 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
         devices = layout.rollout_devices(e)
         tp_address = _tp_rendezvous(executor, devices[0]) if ranks > 1 else None
         rollout.append([executor.spawn(RolloutWorker, (cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size,
-                                                       authkey, layout, devices[k], cfg.cluster.device_share,
+                                                       authkey, layout, devices[k], share,
                                                        cfg.rollout.share_prompt_kv, k, tp_address),
                                        devices[k], gpu, concurrency=2)
                         for k in range(ranks)])

@@ -1,8 +1,8 @@
 """Worker shells: one TrainWorker per device and one RolloutWorker per rollout engine, colocated.
 
 They are thin: each builds its engine through the registry, pins its torch thread count, joins the
-training ranks' torch.distributed group, resolves object-store references, and forwards calls. No
-algorithm code lives here. The same classes run as Ray actors (``RayExecutor``) or as objects in
+training ranks' torch.distributed group, resolves object-store references, and forwards calls
+(the engines answer with typed results: ``training.base.PrefixResult`` ...). No algorithm code lives here. The same classes run as Ray actors (``RayExecutor``) or as objects in
 the driver (``InProcessExecutor``). On CPU colocated workers share the device's cores
 (``cluster.threads_per_device``); on a GPU, with ``cluster.device_share=streams|green``, each
 worker thread issues on a CUDA stream of its own (``device_share.py``).
@@ -25,7 +25,8 @@ from rollplex_train.rollout.base import SamplingParams, create_rollout_engine
 from rollplex_train.device import layout_device
 from rollplex_train.device_share import enter_side, half_sms
 from rollplex_train.memory.host_malloc import keep_freed_memory
-from rollplex_train.training.base import create_train_engine
+from rollplex_train.runtime.protocol import WeightsExport
+from rollplex_train.training.base import ChunkResult, PrefixResult, create_train_engine
 
 
 def resolve(value, indices: Optional[list[int]] = None):
@@ -169,6 +170,17 @@ class RolloutWorker:
         selected list. ``prefixes``: per selected prompt, its KV cache or None (``RolloutEngine.generate``)."""
         return self.compute.run(self.engine.generate, resolve(prompts, indices), params, weights_version, prefixes)
 
+    def rollout_envs(self, env_cfg, model_path: str, seeds: list[int], params: SamplingParams,
+                     weights_version: Optional[int], uid_prefix: str) -> list:
+        """``params.n`` environment trajectories per seed on this engine (``rollout/multiturn.TurnLoop``,
+        built once per ``env`` config): seed-major ``rollout.trajectory.Trajectory`` records."""
+        if getattr(self, "_turn_loop_key", None) != (env_cfg, model_path):
+            from rollplex_train.rollout.multiturn import TurnLoop
+
+            self._turn_loop = TurnLoop.from_config(self.engine, model_path, env_cfg)
+            self._turn_loop_key = (env_cfg, model_path)
+        return self.compute.run(self._turn_loop.rollout, seeds, params, weights_version, uid_prefix)
+
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """The pickled path (``sharing.enabled=false``): copy the received state dict in."""
         self.compute.run(self.engine.update_weights, named_tensors, version)
@@ -250,18 +262,23 @@ class TrainWorker:
             torch.cuda.current_stream(device).synchronize()  # the load is done before another stream reads it
             self.side = enter_side(device_share, device, half_sms(device, device_share, "prefix"))
 
-    def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0,
-                          with_entropy: bool = False):
-        return self.engine.compute_log_probs(resolve_batch(batch), role, temperature, with_entropy)
+    def compute_log_probs(self, batch: TrainBatch, role: str, temperature: float = 1.0) -> torch.Tensor:
+        """(N, R) float32 log-probs of ``batch``'s responses under ``role``."""
+        return self.engine.compute_log_probs(resolve_batch(batch), role, temperature)[0]
 
-    def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
-        return self.engine.update_actor(resolve_batch(batch), temperature)
+    def update_actor(self, batch: TrainBatch, temperature: float = 1.0, old_from_actor: bool = False) -> dict[str, float]:
+        return self.engine.update_actor(resolve_batch(batch), temperature, old_from_actor)
+
+    def pid(self) -> int:
+        """This worker's process id (the worker-kill test hook)."""
+        return os.getpid()
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         return self.engine.rollout_weights()
 
-    def export_shared_weights(self, same_process: bool = False, rollout_kind: str = "hf") -> dict:
-        return self.engine.export_shared_weights(same_process, rollout_kind=rollout_kind)
+    def export_shared_weights(self, same_process: bool = False, rollout_kind: str = "hf") -> WeightsExport:
+        out = self.engine.export_shared_weights(same_process, rollout_kind=rollout_kind)
+        return WeightsExport(out["payload"], out["view_bytes"], out["rebuild_bytes"], out["rollout_bytes"])
 
     def publish_weights(self, version: int) -> dict[str, float]:
         return self.engine.publish_weights(version)
@@ -276,11 +293,11 @@ class TrainWorker:
         return self.engine.prefetch_states(parts)
 
     def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int,
-                            indices: Optional[list[int]] = None, export: bool = False):
+                            indices: Optional[list[int]] = None, export: bool = False) -> PrefixResult:
         return self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version, export)
 
     def score_suffix_chunks(self, prompts: list[PromptSample], role: str, tokens: dict, width: int,
-                            weights_version: int, final: bool = False):
+                            weights_version: int, final: bool = False) -> ChunkResult:
         """``tokens``: position in ``prompts`` (this rank's prompts, by reference) -> (n, t) tokens."""
         return self.engine.score_suffix_chunks(resolve(prompts), role, tokens, width, weights_version, final)
 

@@ -257,12 +257,7 @@ class PromptDataset:
         if not isinstance(options, (list, tuple)) or not all(isinstance(o, str) for o in options):
             raise _Skip("bad_schema", f"column 'options' must be a list of strings, got {options!r}")
         task = row.get("task") or row.get("data_source") or "default"
-        try:
-            messages = build_messages(problem, num_images=len(images), num_videos=len(videos),
-                                      system_prompt=cfg.system_prompt, format_prompt=self.format_prompt,
-                                      name=f"{path} row {row_index}")
-        except ValueError as err:
-            raise _Skip("placeholder_mismatch", str(err)) from err
+        messages = self._messages(problem, images, videos, path, row_index)
         vision = self._vision(images, videos, base_dir=Path(path).parent)
         prompt_ids = render_prompt_ids(self.tokenizer, messages, vision.image_grid_thw, vision.video_grid_thw,
                                        merge_size=self.merge_size)
@@ -349,6 +344,16 @@ class PromptDataset:
                            ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())), " | ".join(first.values()))
         return self.skipped
 
+    def _messages(self, problem: str, images: list, videos: list, path: str, row_index: int) -> list[dict]:
+        """The row's chat messages (``data/prompts.build_messages``); a placeholder count that does
+        not match its media is skipped as ``placeholder_mismatch``."""
+        try:
+            return build_messages(problem, num_images=len(images), num_videos=len(videos),
+                                  system_prompt=self.cfg.system_prompt, format_prompt=self.format_prompt,
+                                  name=f"{path} row {row_index}")
+        except ValueError as err:
+            raise _Skip("placeholder_mismatch", str(err)) from err
+
     def _precheck_row(self, row: dict[str, Any], path: str, row_index: int) -> None:
         cfg = self.cfg
         problem, answer = row.get(cfg.prompt_key), row.get(cfg.answer_key)
@@ -357,12 +362,7 @@ class PromptDataset:
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
             raise _Skip("bad_schema", f"column {cfg.answer_key!r} must be a string, got {type(answer).__name__}")
         images, videos = _media_list(row, cfg.image_key), _media_list(row, cfg.video_key)
-        try:
-            messages = build_messages(problem, num_images=len(images), num_videos=len(videos),
-                                      system_prompt=cfg.system_prompt, format_prompt=self.format_prompt,
-                                      name=f"{path} row {row_index}")
-        except ValueError as err:
-            raise _Skip("placeholder_mismatch", str(err)) from err
+        messages = self._messages(problem, images, videos, path, row_index)
         for item in images + videos:
             if isinstance(item, dict) and item.get("bytes") is not None:
                 continue

@@ -10,6 +10,7 @@ state. Weights never travel this way (see ``sharing/``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -43,10 +44,8 @@ class VisionInputs:
         return 0 if self.video_grid_thw is None else int(self.video_grid_thw.shape[0])
 
     def to(self, device) -> "VisionInputs":
-        """The same inputs on ``device`` (``self`` when they are there already)."""
+        """The same inputs on ``device`` (a tensor already there is not copied: ``Tensor.to``)."""
         names = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-        if all(getattr(self, n) is None or getattr(self, n).device == torch.device(device) for n in names):
-            return self
         return VisionInputs(**{n: None if getattr(self, n) is None else getattr(self, n).to(device) for n in names})
 
     @staticmethod
@@ -108,6 +107,9 @@ class Response:
             (logits / temperature, before top-p/top-k truncation).
         text: decoded response (special tokens skipped).
         finish_reason: ``stop`` (EOS or stop string) or ``length`` (max_new_tokens reached).
+        loss_mask: (R,) float32, 1 on the tokens the policy sampled (None: all of them). A
+            multi-turn trajectory's row (``runtime/envs.py``) holds the observations between its
+            turns with mask 0; they are the sequence's context, not trained.
     """
 
     prompt_index: int
@@ -115,6 +117,7 @@ class Response:
     logprobs: torch.Tensor
     text: str
     finish_reason: str
+    loss_mask: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -170,9 +173,6 @@ class TrainBatch:
         source_rows: (N,) int64 row of each response in the step's whole batch, for a data-parallel
             rank's part (None: this is the whole batch).
         reward_failed: (N,) bool, the reward function failed on the response (None: not scored).
-        old_logprobs_from_actor: the first PPO mini-batch's old-policy log-probs are the actor's own
-            forward before its first optimizer step (``runtime/old_policy.py``); ``old_logprobs``
-            then holds only the other mini-batches' rows (None when there are none).
     """
 
     prompts: list[PromptSample]
@@ -186,11 +186,37 @@ class TrainBatch:
     mini_batches: Optional[list[MiniBatchSpec]] = None
     source_rows: Optional[torch.Tensor] = None
     reward_failed: Optional[torch.Tensor] = None
-    old_logprobs_from_actor: bool = False
 
     @property
     def num_responses(self) -> int:
         return int(self.response_ids.shape[0])
+
+    @classmethod
+    def from_responses(cls, prompts: list[PromptSample], responses: list[Response], pad_id: int) -> "TrainBatch":
+        """Stack grouped responses into a right-padded batch over the step's ``prompts``
+        (``group_index`` = each response's ``prompt_index``, the step's global prompt index).
+
+        Args:
+            responses: N responses, those of one prompt contiguous (as engines return them): all of
+                the step's prompts, or some finished groups (a decode-tail suffix task).
+
+        Raises:
+            ValueError: an empty response list (nothing to train on).
+        """
+        if not responses:
+            raise ValueError("no responses to train on")
+        max_len = max(1, max(int(r.token_ids.shape[0]) for r in responses))
+        n = len(responses)
+        ids = torch.full((n, max_len), pad_id, dtype=torch.long)
+        mask = torch.zeros((n, max_len), dtype=torch.float32)
+        rollout_logprobs = torch.zeros((n, max_len), dtype=torch.float32)
+        for i, r in enumerate(responses):
+            length = int(r.token_ids.shape[0])
+            ids[i, :length] = r.token_ids
+            mask[i, :length] = 1.0 if r.loss_mask is None else r.loss_mask
+            rollout_logprobs[i, :length] = r.logprobs
+        return cls(prompts=prompts, group_index=torch.tensor([r.prompt_index for r in responses], dtype=torch.long),
+                   response_ids=ids, response_mask=mask, rollout_logprobs=rollout_logprobs)
 
     def plan_mini_batches(self, groups_per_mini_batch: int) -> list[MiniBatchSpec]:
         """``mini_batches`` if set, else consecutive runs of ``groups_per_mini_batch`` prompts with
@@ -210,60 +236,34 @@ class TrainBatch:
         wanted = set(int(p) for p in prompt_indices)
         return torch.tensor([i for i, g in enumerate(self.group_index.tolist()) if g in wanted], dtype=torch.long)
 
-    def split_by_rank(self, rank_of_group: list[int], num_ranks: int,
-                      groups_per_mini_batch: int) -> list["TrainBatch"]:
-        """This whole step's batch cut into one part per data-parallel rank.
-
-        Args:
-            rank_of_group: (P,) the DP rank of each prompt (whole GRPO groups stay together).
-            num_ranks: DP degree. groups_per_mini_batch: prompts per global optimizer step.
-
-        Returns:
-            ``num_ranks`` batches; each holds its groups in global order, ``source_rows`` and one
-            :class:`MiniBatchSpec` per global mini-batch (global counts), so every rank takes the
-            same number of optimizer steps.
-        """
-        assert len(rank_of_group) == len(self.prompts) and self.mini_batches is None
-        whole = self.plan_mini_batches(groups_per_mini_batch)
-        parts = []
-        for rank in range(num_ranks):
-            mine = [g for g in range(len(self.prompts)) if rank_of_group[g] == rank]
-            part = self.select_groups(mine)
-            local = {g: i for i, g in enumerate(mine)}
-            part.mini_batches = [MiniBatchSpec(tuple(local[g] for g in spec.groups if g in local),
-                                               spec.num_tokens, spec.num_seqs) for spec in whole]
-            part.source_rows = self.rows_of(mine)
-            parts.append(part)
-        return parts
-
     def select_groups(self, prompt_indices: list[int]) -> "TrainBatch":
         """The sub-batch holding the responses of the given prompts (prompt indices renumbered)."""
         remap = {p: i for i, p in enumerate(prompt_indices)}
-        rows = [i for i, g in enumerate(self.group_index.tolist()) if g in remap]
-        idx = torch.tensor(rows, dtype=torch.long)
+        part = self.at_rows(self.rows_of(prompt_indices))
+        return dataclasses.replace(part, prompts=[self.prompts[p] for p in prompt_indices],
+                                   group_index=torch.tensor([remap[int(g)] for g in part.group_index.tolist()],
+                                                            dtype=torch.long))
 
-        def take(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t.index_select(0, idx)
-
-        return TrainBatch(
-            prompts=[self.prompts[p] for p in prompt_indices],
-            group_index=torch.tensor([remap[int(g)] for g in self.group_index[idx].tolist()], dtype=torch.long),
-            response_ids=take(self.response_ids),
-            response_mask=take(self.response_mask),
-            advantages=take(self.advantages),
-            old_logprobs=take(self.old_logprobs),
-            ref_logprobs=take(self.ref_logprobs),
-            rollout_logprobs=take(self.rollout_logprobs),
-            reward_failed=take(self.reward_failed),
-            old_logprobs_from_actor=self.old_logprobs_from_actor,
-        )
+    def at_rows(self, rows: torch.Tensor) -> "TrainBatch":
+        """The responses at ``rows`` ((n,) int64), every per-response tensor taken; the prompts and
+        the prompt indices as they are, no mini-batch plan, no ``source_rows``."""
+        taken = {name: None if getattr(self, name) is None else getattr(self, name).index_select(0, rows)
+                 for name in PER_RESPONSE}
+        return dataclasses.replace(self, mini_batches=None, source_rows=None, **taken)
 
 
-def gather_rows(parts: list[TrainBatch], values: list[torch.Tensor], num_rows: int) -> torch.Tensor:
-    """Put per-rank (N_r, R) results back in the whole batch's row order: (num_rows, R) float32.
+PER_RESPONSE = ("group_index", "response_ids", "response_mask", "advantages", "old_logprobs", "ref_logprobs",
+                "rollout_logprobs", "reward_failed")
+"""The ``TrainBatch`` fields with one row per response."""
+
+
+def gather_rows(parts: list[TrainBatch], values: list[torch.Tensor], num_rows: int,
+                complete: bool = True) -> torch.Tensor:
+    """Put per-rank (N_r, R) results back in the whole batch's row order: (num_rows, R) float32
+    (rows no part holds stay 0 when ``complete=False``: the parts cover some groups only).
 
     Raises:
-        AssertionError: a part without ``source_rows`` or rows left unfilled.
+        AssertionError: a part without ``source_rows``, or (``complete``) rows left unfilled.
     """
     width = max(v.shape[1] for v in values)
     out = torch.zeros(num_rows, width, dtype=values[0].dtype)
@@ -272,5 +272,5 @@ def gather_rows(parts: list[TrainBatch], values: list[torch.Tensor], num_rows: i
         assert part.source_rows is not None
         out[part.source_rows, : value.shape[1]] = value
         filled += len(part.source_rows)
-    assert filled == num_rows, (filled, num_rows)
+    assert filled == num_rows or not complete, (filled, num_rows)
     return out

@@ -15,6 +15,7 @@ reward, terminated, truncated, info)``, ``Env.render()`` returns an (H, W, 3) ui
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -22,6 +23,12 @@ from PIL import Image
 
 from rollplex_train.envs.actions import parse_answer
 from rollplex_train.envs.base import EnvError, IMAGE_PLACEHOLDER, Observation, VisionEnv, fit_frame
+
+# One render at a time in the process: gymnasium's toy-text environments (FrozenLake) load their
+# PNG sprites with ``pygame.image.load`` at each new environment's first render, and concurrent loads
+# from the environment worker threads fail with "pygame.error: Error reading the PNG file" (seen with
+# 4 threads on pygame-ce 2.5.8). A later render of the 3x3 map takes about 0.6 ms on this machine's CPU.
+_RENDER_LOCK = threading.Lock()
 
 
 class GymnasiumEnv(VisionEnv):
@@ -72,7 +79,8 @@ class GymnasiumEnv(VisionEnv):
         return f"You play {self.title}. {self.rules} Actions: {names}. {how}"
 
     def _frame(self) -> Image.Image:
-        frame = self.env.render()
+        with _RENDER_LOCK:
+            frame = self.env.render()
         if not isinstance(frame, np.ndarray) or frame.ndim != 3:
             raise EnvError(f"{self.title}: render() gave {type(frame).__name__}; expected an (H, W, 3) uint8 "
                            "array (make the gymnasium environment with render_mode='rgb_array')")

@@ -9,13 +9,11 @@ wrapped in :class:`~rollplex_train.envs.base.VagenEnv`).
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 from rollplex_train.envs.base import VagenEnv, VisionEnv
-from rollplex_train.registry import Registry
+from rollplex_train.registry import Registry, load_from_file
 
 ENVS: Registry[Callable[..., VisionEnv]] = Registry("env.name")
 register_env = ENVS.register
@@ -50,23 +48,10 @@ def _user_class(spec: str) -> type:
     Raises:
         FileNotFoundError: no such file. ValueError: the file fails to import, or has no such class.
     """
-    path_str, cls_name = spec.rsplit(":", 1)
-    path = Path(path_str).expanduser()
-    if not path.is_file() or not cls_name:
-        if path.is_file():
-            raise ValueError(f"env.name={spec!r}: expected 'path/to/file.py:Class'")
-        raise FileNotFoundError(f"env.name={spec!r}: environment file {str(path)!r} not found")
-    module_spec = importlib.util.spec_from_file_location(f"rollplex_user_env_{abs(hash(str(path.resolve())))}", path)
-    if module_spec is None or module_spec.loader is None:
-        raise ValueError(f"env.name={spec!r}: cannot import {str(path)!r} as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as err:  # noqa: BLE001 - the user's file may raise anything while it imports
-        raise ValueError(f"env.name={spec!r}: importing {str(path)!r} failed: {type(err).__name__}: {err}") from err
-    cls = getattr(module, cls_name, None)
+    path, cls_name = spec.rsplit(":", 1)
+    cls = load_from_file(spec, "env.name", "environment")
     if not inspect.isclass(cls) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step", "system_prompt")):
-        raise ValueError(f"env.name={spec!r}: {str(path)!r} has no class {cls_name!r} with reset, step and "
+        raise ValueError(f"env.name={spec!r}: {path!r} has no class {cls_name!r} with reset, step and "
                          "system_prompt methods")
     return cls
 

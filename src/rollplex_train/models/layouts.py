@@ -33,8 +33,8 @@ The three layouts (sources read for them, not copied):
   n > nkv (kv head of rank i = i // (n / nkv)); ``MergedColumnParallelLinear`` holds
   ``[gate_i; up_i]``; vision attention uses ``QKVParallelLinear`` too (``use_qkv_parallel=True``)
   and the vision MLP's intermediate size is padded to a multiple of 8;
-  ``VocabParallelEmbedding``/``ParallelLMHead`` pad the vocabulary to a multiple of 64 and split
-  it evenly. Two rollout-side options change the tensors an engine holds: ``split_qkv`` keeps q, k,
+  ``VocabParallelEmbedding``/``ParallelLMHead`` pad the vocabulary to a multiple of 64, or of
+  64 x n when n does not divide that (odd n; :func:`sglang_padded_vocab`), and split it evenly. Two rollout-side options change the tensors an engine holds: ``split_qkv`` keeps q, k,
   v as three grouped tensors ``(kv groups of the rank, rows per group, in)`` (the engine runs one
   batched matmul per projection); ``split_gate_up`` keeps ``gate_proj`` and ``up_proj`` apart.
 
@@ -145,6 +145,15 @@ def _pad(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
+def sglang_padded_vocab(vocab: int, tp: int) -> int:
+    """Rows of SGLang's ``VocabParallelEmbedding``/``ParallelLMHead`` at TP ``tp``: ``vocab`` padded
+    to a multiple of 64, or of 64 x tp when tp does not divide that (sglang 0.5.23
+    ``srt/layers/vocab_parallel_embedding.py``, ``VocabParallelEmbedding.__init__``:
+    ``padding_size *= tp_size``). 151936 rows: 151936 at tp 1, 2, 4, 8; 152064 at tp 3."""
+    padded = _pad(vocab, 64)
+    return padded if padded % tp == 0 else _pad(vocab, 64 * tp)
+
+
 class _Builder:
     """Builds the rank specs of one layout; one method per parameter family."""
 
@@ -179,7 +188,7 @@ class _Builder:
         if self.kind == "megatron":
             padded = _pad(rows, self.vocab_divisible_by * self.n)
         elif self.kind == "sglang":
-            padded = _pad(rows, 64)
+            padded = sglang_padded_vocab(rows, self.n)
         else:
             padded = rows
         self.split(name, new_name, 0, padded)

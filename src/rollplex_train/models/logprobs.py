@@ -56,8 +56,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
         hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
         inv_t = ctx.inv_t
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_b = (torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device)
+                  if bias is not None and ctx.needs_input_grad[2] else None)
         use_entropy = ctx.with_entropy and grad_entropy is not None
         for start in range(0, hidden.shape[0], ctx.chunk_rows):
             rows = slice(start, start + ctx.chunk_rows)

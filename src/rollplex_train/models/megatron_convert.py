@@ -146,7 +146,7 @@ def join_ranks(rank_tensors: list[dict[str, torch.Tensor]], layout: Layout) -> d
                 shape = layout.hf_shapes[blk.source]
                 dst = out.get(blk.source)
                 if dst is None:
-                    dst = out[blk.source] = torch.empty(shape, dtype=local.dtype)
+                    dst = out[blk.source] = torch.empty(shape, dtype=local.dtype, device=local.device)
                 real = max(0, min(blk.stop, shape[spec.dim]) - blk.start)
                 if real:
                     dst.narrow(spec.dim, blk.start, real).copy_(local.narrow(spec.dim, pos, real))

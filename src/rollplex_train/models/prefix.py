@@ -26,6 +26,7 @@ import torch
 
 from rollplex_train.data.types import PromptSample, VisionInputs
 from rollplex_train.device import model_device
+from rollplex_train.models.hf_compat import cache_kwargs
 from rollplex_train.models.sequence import (
     embed_with_vision,
     logprobs_from_hidden,
@@ -138,9 +139,9 @@ def encode_prefix(
         position_ids, deltas = rope_positions(model, ids, mask, vision)
         embeds = embed_with_vision(model, ids, vision, vision_grad=with_grad and not freeze_vision)
         cache = DynamicCache(config=model.config)
-        out = model.model.language_model(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, cache=cache, use_cache=True
-        )
+        text = model.model.language_model
+        out = text(inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                   **cache_kwargs(text, cache))
     states = []
     per_prompt_bytes = counter.bytes // max(len(prompts), 1)
     graph_id = next(_GRAPH_IDS) if with_grad else None
@@ -208,12 +209,13 @@ def score_suffix(
     attention_mask = torch.cat([prefix_mask, suffix_mask], dim=1)
     start = torch.tensor([s.next_position for s in rows], device=dev).view(-1, 1)
     position_ids = (start + torch.arange(r - 1, device=dev).view(1, -1)).unsqueeze(0).expand(3, -1, -1)
-    out = model.model.language_model(
+    text = model.model.language_model
+    out = text(
         input_ids=response_ids[:, : r - 1],
         attention_mask=attention_mask,
         position_ids=position_ids,
-        cache=DynamicCache(ddp_cache_data=layers, config=model.config),
         use_cache=True,
+        **cache_kwargs(text, DynamicCache(ddp_cache_data=layers, config=model.config)),
     )
     hidden = torch.cat([h0, out.last_hidden_state], dim=1)  # (N, R, H)
     return logprobs_from_hidden(model, hidden, response_ids, response_mask, temperature, with_entropy)
@@ -340,10 +342,9 @@ class ChunkedSuffix:
         causal = cols.view(1, -1) <= (lp + rows).view(-1, 1)  # (q, kv): the cache position of each query
         mask = (causal.view(1, 1, end - start, -1) & seen.view(self.n, 1, 1, -1))
         position_ids = (self.state.next_position + rows).view(1, 1, -1).expand(3, self.n, -1)
-        cache = Cache(layers=self.layers)
-        out = self.model.model.language_model(
-            input_ids=response_ids[:, start:end].to(dev), attention_mask={"full_attention": mask},
-            position_ids=position_ids, cache=cache, use_cache=True)
+        text = self.model.model.language_model
+        out = text(input_ids=response_ids[:, start:end].to(dev), attention_mask={"full_attention": mask},
+                   position_ids=position_ids, use_cache=True, **cache_kwargs(text, Cache(layers=self.layers)))
         self.hidden.append(out.last_hidden_state)
         self.scored = end
         return end - start

@@ -125,15 +125,18 @@ def mrope_positions(spec: RopeSpec, token_types: torch.Tensor, attention_mask: t
 
     Returns:
         ``position_ids`` (3, N, L) int64 (0 on padding) and ``next_positions`` (N, 1) int64, the
-        position of the token that would follow each sequence.
+        position of the token that would follow each sequence, both on ``attention_mask``'s device
+        (the positions are computed on the host from the token types and grids, then copied once).
 
     Raises:
         ValueError: placeholders and grids disagree (a block without a grid, a short block, or
             grids left over).
     """
-    grids = {IMAGE: list(image_grid_thw) if image_grid_thw is not None else [],
-             VIDEO: list(video_grid_thw) if video_grid_thw is not None else []}
-    seconds = list(second_per_grid_ts) if second_per_grid_ts is not None else []
+    device = attention_mask.device  # the rule walks the tokens on the host; one copy back at the end
+    token_types, attention_mask = token_types.cpu(), attention_mask.cpu()
+    grids = {IMAGE: list(image_grid_thw.cpu()) if image_grid_thw is not None else [],
+             VIDEO: list(video_grid_thw.cpu()) if video_grid_thw is not None else []}
+    seconds = list(second_per_grid_ts.cpu()) if second_per_grid_ts is not None else []
     n, width = token_types.shape
     position_ids = torch.zeros(3, n, width, dtype=torch.long)
     next_positions = torch.zeros(n, 1, dtype=torch.long)
@@ -143,4 +146,4 @@ def mrope_positions(spec: RopeSpec, token_types: torch.Tensor, attention_mask: t
         position_ids[:, row, real] = positions
     if grids[IMAGE] or grids[VIDEO]:
         raise ValueError(f"{len(grids[IMAGE])} image and {len(grids[VIDEO])} video grids have no placeholders")
-    return position_ids, next_positions
+    return position_ids.to(device), next_positions.to(device)

@@ -6,10 +6,11 @@ M-RoPE positions are always computed explicitly, by our own function (``models/r
 reference rule of Qwen2-VL / Qwen2.5-VL) and passed to every pass: rollout prefill and decode,
 prefix, suffix and full-sequence scoring alike.
 
-Only prompt tokens are vision slots. A response is text to the model even when it contains
-``<|image_pad|>`` / ``<|video_pad|>`` ids: the full-sequence pass embeds the vision features into
-the prompt's placeholders only and gives response tokens text positions, as the split
-(prefix + suffix) pass does.
+Only tokens the policy did not sample are vision slots. A sampled response token is text to the
+model even when it is an ``<|image_pad|>`` / ``<|video_pad|>`` id: the full-sequence pass embeds the
+vision features into the prompt's placeholders (and, in a multi-turn trajectory's row, into the
+observations between its turns, which carry ``response_mask`` 0) and gives sampled tokens text
+positions, as the split (prefix + suffix) pass does.
 """
 
 from __future__ import annotations
@@ -160,13 +161,16 @@ def build_full_sequences(
 
     Args:
         prompts: P prompts; group_index (N,) maps each response to its prompt.
-        response_ids: (N, R) int64; response_mask: (N, R) float32.
+        response_ids: (N, R) int64; response_mask: (N, R) float32 (a row's real length ends at its
+            last 1: a trajectory row's observations inside it are 0).
 
     Returns:
         input_ids (N, L) int64, attention_mask (N, L) int64, prompt_lengths (N,) int64, and the
-        vision inputs repeated once per response (the prefix recomputed G times, as verl/TRL do).
+        vision inputs repeated once per response (the prefix recomputed G times, as verl/TRL do),
+        all on the host (the prompts' place; responses on a device are copied back once).
     """
-    resp_lens = response_mask.sum(-1).long()
+    response_ids, response_mask = response_ids.cpu(), response_mask.cpu()
+    resp_lens = response_lengths(response_mask)
     rows, lengths, visions = [], [], []
     for i, g in enumerate(group_index.tolist()):
         p = prompts[g]
@@ -180,6 +184,14 @@ def build_full_sequences(
         input_ids[i, : r.shape[0]] = r
         attention_mask[i, : r.shape[0]] = 1
     return input_ids, attention_mask, torch.tensor(lengths, dtype=torch.long), VisionInputs.concat(visions)
+
+
+def response_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """(N,) int64 real length of each row of an (N, R) mask: one past its last nonzero entry (0 for
+    an empty row); equals ``mask.sum(-1)`` when every row's ones are contiguous from 0."""
+    cols = torch.arange(1, response_mask.shape[1] + 1, device=response_mask.device).view(1, -1)
+    return (cols * (response_mask > 0)).amax(-1).long() if response_mask.shape[1] else \
+        torch.zeros(response_mask.shape[0], dtype=torch.long, device=response_mask.device)
 
 
 def response_logprobs(
@@ -205,7 +217,8 @@ def response_logprobs(
         response_ids: (N, R) int64; response_mask: (N, R) float32.
         temperature: logits are divided by it (the sampling distribution of the rollout).
 
-    Only the prompt columns (``< prompt_length``) are vision slots: response tokens are text.
+    Vision slots: every real token the policy did not sample (the prompt, and a trajectory row's
+    observations, ``response_mask`` 0); sampled tokens are text.
 
     Returns:
         logprobs (N, R) float32 and, if requested, entropy (N, R) float32; both zero outside the mask.
@@ -213,7 +226,11 @@ def response_logprobs(
     dev = model_device(model)  # the inputs are built on CPU (data/types.py); the model may sit on a GPU
     input_ids, attention_mask, vision = input_ids.to(dev), attention_mask.to(dev), vision.to(dev)
     prompt_lengths, response_ids, response_mask = prompt_lengths.to(dev), response_ids.to(dev), response_mask.to(dev)
-    prompt_mask = torch.arange(input_ids.shape[1], device=dev).view(1, -1) < prompt_lengths.view(-1, 1)
+    n_rows, width = input_ids.shape
+    sampled = torch.zeros((n_rows, width + response_ids.shape[1]), dtype=torch.bool, device=dev)
+    cols = prompt_lengths.view(-1, 1) + torch.arange(response_ids.shape[1], device=dev).view(1, -1)
+    sampled.scatter_(1, cols, response_mask > 0)  # distinct columns per row
+    prompt_mask = attention_mask.bool() & ~sampled[:, :width]  # the vision slots' candidates
     position_ids, _ = rope_positions(model, input_ids, attention_mask, vision, prompt_mask)
     embeds = embed_with_vision(model, input_ids, vision, vision_grad=True, vision_mask=prompt_mask)
     out = model.model.language_model(

@@ -132,6 +132,13 @@ class RolloutEngine(abc.ABC):
     supports_progress: bool = False
     """Whether ``generate_stream`` can report ``DecodeProgress`` (``progress_every``)."""
 
+    accepts_prefix_states: bool = False
+    """Whether ``generate`` decodes from handed-in prefix states (``prefixes``; the config's
+    ``schedule.prefill_from_actor`` asks this). Engines that prefill every prompt themselves refuse them."""
+
+    supports_tensor_parallel: bool = False
+    """Whether one engine spans ``rollout.tensor_parallel_size > 1`` devices (the config asks this)."""
+
     supports_compute_share: bool = True
     """Whether ``set_compute_share`` changes anything (the planner only re-shares engines that can)."""
 

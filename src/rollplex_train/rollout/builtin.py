@@ -26,10 +26,12 @@ import torch
 
 from rollplex_train.data.types import DecodeProgress, PromptSample, Response
 from rollplex_train.models.loading import load_model, load_tokenizer
+from rollplex_train.models.hf_compat import cache_kwargs
 from rollplex_train.models.prefix import PrefixState, encode_prefix
 from rollplex_train.models.sequence import pad_prompts
 from rollplex_train.device import compute_context, model_device
-from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
+from rollplex_train.rollout.base import RolloutEngine, SamplingParams, register_rollout_engine
+from rollplex_train.versioning import StaleWeightsError, check_newer, check_version
 from rollplex_train.rollout.decoder import FusedDecoder
 from rollplex_train.rollout.sampling import draw, filter_logits, sequence_generator  # noqa: F401 (re-exported)
 from rollplex_train.rollout.kv_cache import PreallocatedCache, cache_nbytes
@@ -118,16 +120,39 @@ class BuiltinRolloutEngine(RolloutEngine):
         return sorted((r for item in finished for r in item), key=lambda r: r.prompt_index)  # stable
 
     supports_progress = True
+    accepts_prefix_states = True  # decodes from the actor's prefix KV caches (_prefill)
+    supports_tensor_parallel = True  # rank k of an engine on its k-th device (rollout/tensor_parallel.py)
+
+    @staticmethod
+    def check_config(cfg) -> None:
+        """The settings of a run ``Config`` this engine cannot honour (asked by ``resolve.resolve``
+        before Ray starts).
+
+        Raises:
+            ValueError: at ``rollout.tensor_parallel_size > 1``, ``sharing.split_qkv`` or
+                ``split_gate_up`` (the TP ranks run SGLang's fused ``qkv_proj``/``gate_up_proj``), or
+                engine devices that do not lie in one training replica.
+        """
+        a, r = cfg.actor, cfg.rollout
+        if r.tensor_parallel_size == 1:
+            return
+        if cfg.sharing.split_qkv or cfg.sharing.split_gate_up:
+            raise ValueError("sharing.split_qkv/split_gate_up: the builtin rollout engine at "
+                             f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs SGLang's fused "
+                             "qkv_proj and gate_up_proj (set both false)")
+        replica = a.tensor_parallel_size * a.pipeline_parallel_size
+        if replica % r.tensor_parallel_size:  # its ranks then take the same calls in the same order
+            raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the builtin engine's devices must "
+                             f"lie in one training replica (actor.tensor_parallel_size x pipeline_parallel_size = "
+                             f"{replica}), so that it decodes one DP rank's prompts per call")
 
     def generate_stream(self, prompts: list[PromptSample], params: SamplingParams,
                         weights_version: Optional[int] = None, prefixes: Optional[list] = None,
                         progress_every: int = 0) -> Iterator[list]:
         if self._released:
             raise RuntimeError("rollout engine memory is released: call resume_memory() before generate()")
-        if weights_version is not None and weights_version != self.weights_version:
-            raise StaleWeightsError(
-                f"request for weights version {weights_version}, engine holds version {self.weights_version}"
-            )
+        if weights_version is not None:
+            check_version(weights_version, self.weights_version, "request", "engine")
         if self._shared is not None:  # the trainer's own tensors: refuse them stale or mid-update
             self._shared.check(self.weights_version)
         if progress_every and not params.ignore_eos:
@@ -157,8 +182,7 @@ class BuiltinRolloutEngine(RolloutEngine):
         if self._shared is not None:
             raise RuntimeError("the weights are the trainer's shared tensors: use sync_shared_weights, "
                                "update_weights would write into the trainer's memory")
-        if version <= self.weights_version:
-            raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
+        check_newer(version, self.weights_version, "update_weights")
         named_tensors = dict(named_tensors)  # a state dict or an iterator of (name, tensor)
         rank = self.rank_weights
         if rank.tensors is not None:
@@ -267,13 +291,14 @@ class BuiltinRolloutEngine(RolloutEngine):
             if given is None:
                 with compute_context(self.device, self.compute_dtype):
                     given, = encode_prefix(self.model, [prompt], version=self.weights_version)
-            elif given.version != self.weights_version or given.uid != prompt.uid:
-                raise StaleWeightsError(f"prefix of {given.uid!r} at weights version {given.version}, engine "
-                                        f"holds version {self.weights_version} for prompt {prompt.uid!r}")
-            elif self.tp.size > 1:  # a whole-model cache (the actor's): this rank's KV heads
-                heads = self.rank_weights.layout.kv_heads(self.model.config.get_text_config().num_key_value_heads)
-                given = replace(given, keys=shard_prefix_kv(given.keys, heads),
-                                values=shard_prefix_kv(given.values, heads))
+            elif given.uid != prompt.uid:
+                raise StaleWeightsError(f"prefix of {given.uid!r} handed in for prompt {prompt.uid!r}")
+            else:
+                check_version(given.version, self.weights_version, f"prefix of {given.uid!r}", "engine")
+                if self.tp.size > 1:  # a whole-model cache (the actor's): this rank's KV heads
+                    heads = self.rank_weights.layout.kv_heads(self.model.config.get_text_config().num_key_value_heads)
+                    given = replace(given, keys=shard_prefix_kv(given.keys, heads),
+                                    values=shard_prefix_kv(given.values, heads))
             states.append(given)
         return states
 
@@ -381,7 +406,7 @@ class BuiltinRolloutEngine(RolloutEngine):
             else:
                 with compute_context(dev, self.compute_dtype):
                     out = model.model(input_ids=next_tok.view(-1, 1), attention_mask=mask, position_ids=pos,
-                                      cache=cache, use_cache=True)
+                                      use_cache=True, **cache_kwargs(model.model, cache))
                 last_hidden = out.last_hidden_state[:, -1]
             num_real = num_real + 1
             tick = self._account(tick, 1)

@@ -16,7 +16,9 @@ them, padded and unpadded, on the tiny checkpoint), and so are the sampled token
 ``scripts/bench_decode.py`` times the engine's ``generate`` with and without it (docs/benchmarks.md).
 
 Only where it is exactly that forward: a Qwen2.5-VL text decoder (``Qwen2_5_VLTextModel``), SDPA
-attention, no sliding-window layers, float32 compute on CPU. Elsewhere ``FusedDecoder.unsupported``
+attention, no sliding-window layers, float32 compute on CPU, transformers >= 5.24 (whose SDPA path packs
+the query heads per KV head, ``integrations/sdpa_attention.py::pack_gqa``; older releases repeat the KV
+heads, a different summation order). Elsewhere ``FusedDecoder.unsupported``
 names the reason and the engine keeps transformers' forward.
 
 On a rank of a tensor-parallel engine (``rollout/tensor_parallel.py``) the same step runs over the
@@ -97,6 +99,10 @@ class FusedDecoder:
             return f"{device.type} / compute_dtype={compute_dtype}: only float32 on CPU"
         if any(p.dtype != torch.float32 for p in text.parameters()):
             return "parameters not float32"
+        from transformers.integrations import sdpa_attention
+
+        if not hasattr(sdpa_attention, "pack_gqa"):  # transformers < 5.24 repeats the KV heads instead
+            return "transformers' SDPA decode without pack_gqa (< 5.24): not the fused step's op order"
         return None
 
     @torch.no_grad()

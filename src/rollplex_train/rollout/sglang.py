@@ -18,8 +18,17 @@ Engine launch (``srt/entrypoints/engine.py::Engine(**ServerArgs fields)``): ``mo
 (``sampling_seed`` is ignored without it; it also selects the pytorch sampling backend,
 ``srt/arg_groups/overrides.py``), ``load_format="dummy"``: the weights come only through
 ``update_weights`` (checked name by name against SGLang's parameter list), never through SGLang's
-checkpoint loader, whose ``Qwen2_5_VLForConditionalGeneration.load_weights`` silently skips names
-it does not know (e.g. transformers 5's ``model.language_model.*``).
+checkpoint loader, whose ``Qwen2_5_VLForConditionalGeneration.load_weights`` skips most names it does
+not know, but renames the language model's q/k/v and every gate/up projection to the stacked
+``qkv_proj``/``gate_up_proj`` and looks that up unchecked: a ``KeyError`` for transformers 5's
+``model.language_model.layers.*.q_proj`` (``models/qwen2_5_vl.py::load_weights``).
+
+Control calls: ``begin/end_weight_update``, ``update_weights_from_tensor`` and ``flush_cache``
+return ``(success, message)``, checked by ``_ok`` (a call that reports nothing is a failure there);
+``release_memory_occupation``/``resume_memory_occupation`` return ``None`` in 0.5.23 (the
+``TokenizerManager`` awaits the schedulers' ``Release/ResumeMemoryOccupationReqOutput``, which
+carry no status: ``managers/tokenizer_control_mixin.py``), so the call returning is their only
+acknowledgement (``_acknowledged``).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import torch
 from rollplex_train.registry import MissingExtraError
 from rollplex_train.data.types import PromptSample, Response
 from rollplex_train.rollout.base import RolloutEngine, SamplingParams, StaleWeightsError, register_rollout_engine
+from rollplex_train.versioning import check_newer, check_version
 from rollplex_train.rollout.sglang_memory import phase_transition
 from rollplex_train.rollout.sglang_request import build_generate_call, parse_outputs
 from rollplex_train.rollout.sglang_weights import (
@@ -103,10 +113,34 @@ def check_config(cfg: Any) -> None:
 
 
 def _ok(result: Any, what: str) -> None:
-    """SGLang control calls return ``(success, message)`` or an object with ``.success``."""
-    success, message = result if isinstance(result, tuple) else (getattr(result, "success", True), "")
+    """Check a control call that reports a status: ``(success, message)`` or an object with
+    ``.success`` (and ``.message``).
+
+    Raises:
+        RuntimeError: ``success`` is false, or the call reported no status (``None`` or another
+            shape: not the SGLang API this adapter is written against, so not counted as success).
+    """
+    if isinstance(result, tuple) and len(result) == 2:
+        success, message = result
+    elif hasattr(result, "success"):
+        success, message = result.success, getattr(result, "message", "")
+    else:
+        raise RuntimeError(f"SGLang {what} returned {result!r}, not (success, message): not the sglang=="
+                           f"{SGLANG_VERSION} API")
     if not success:
         raise RuntimeError(f"SGLang {what} failed: {message}")
+
+
+def _acknowledged(result: Any, what: str) -> None:
+    """Check ``release_memory_occupation``/``resume_memory_occupation``: ``None`` is their 0.5.23
+    return (no status exists: the schedulers replied, module docstring); a status, should a
+    release return one, is checked as ``_ok`` does.
+
+    Raises:
+        RuntimeError: a status that says the call failed, or a result of another shape.
+    """
+    if result is not None:
+        _ok(result, what)
 
 
 @register_rollout_engine("sglang")
@@ -146,6 +180,7 @@ class SGLangRolloutEngine(RolloutEngine):
     """
 
     check_available = staticmethod(check_available)
+    supports_tensor_parallel = True  # one engine over tp_size GPUs (check_config still asks for 1)
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", attn_implementation: str = "sdpa",
                  max_batch_size: int = 256, *, tp_size: int = 1, base_gpu_id: int = 0,
@@ -229,8 +264,8 @@ class SGLangRolloutEngine(RolloutEngine):
     def _check_ready(self, weights_version: Optional[int]) -> None:
         if self._released & {"weights", "kv_cache"}:
             raise RuntimeError(f"SGLang memory released ({sorted(self._released)}): call resume_memory() before generate()")
-        if weights_version is not None and weights_version != self.weights_version:
-            raise StaleWeightsError(f"request for weights version {weights_version}, engine holds version {self.weights_version}")
+        if weights_version is not None:
+            check_version(weights_version, self.weights_version, "request", "engine")
         if self._updating or not self._valid:
             raise StaleWeightsError(f"SGLang holds no valid weights of version {self.weights_version} "
                                     f"({'update in progress' if self._updating else 'released or never pushed'})")
@@ -273,8 +308,7 @@ class SGLangRolloutEngine(RolloutEngine):
         """
         if self._shared is not None:
             raise RuntimeError("weights are mapped from the trainer: use sync_shared_weights")
-        if version <= self.weights_version:
-            raise StaleWeightsError(f"weights version {version} is not newer than {self.weights_version}")
+        check_newer(version, self.weights_version, "update_weights")
         self._push(named_tensors, version)
 
     def _to_rank(self, tensor: torch.Tensor, rank: int) -> torch.Tensor:
@@ -367,7 +401,7 @@ class SGLangRolloutEngine(RolloutEngine):
         wanted = set(TAGS if tags is None else tags)
         todo = [t for t in TAGS if t in wanted and t not in self._released]
         if todo:
-            _ok(self.engine.release_memory_occupation(tags=todo), "release_memory_occupation")
+            _acknowledged(self.engine.release_memory_occupation(tags=todo), "release_memory_occupation")
             self._released.update(todo)
             if "weights" in todo and not self.weights_cpu_backup:
                 self._valid = False
@@ -379,7 +413,7 @@ class SGLangRolloutEngine(RolloutEngine):
         wanted = set(TAGS if tags is None else tags)
         todo = [t for t in TAGS if t in wanted and t in self._released]
         if todo:
-            _ok(self.engine.resume_memory_occupation(tags=todo), "resume_memory_occupation")
+            _acknowledged(self.engine.resume_memory_occupation(tags=todo), "resume_memory_occupation")
             self._released.difference_update(todo)
         if "weights" in todo and not self._valid and self._shared is not None:
             self._push(self._shared.tensors, self.weights_version)

@@ -12,8 +12,10 @@ Written against SGLang 0.5.23 (the wheel, read, not run here):
   scheduler). So a ``direct`` payload holds, per rank, exactly that rank's shard under SGLang's
   parameter name. (``load_format=None`` and ``"flattened_bucket"`` go through
   ``Qwen2_5_VLForConditionalGeneration.load_weights`` instead, which takes *full* HF tensors, shards
-  them itself and silently skips names it does not know: the optional ``flattened_bucket`` format
-  at the end of this module sends full tensors that way, every name checked first.)
+  them itself and skips names it does not know, except that it renames the language model's q/k/v
+  and every gate/up projection to the stacked ``qkv_proj``/``gate_up_proj`` and indexes those
+  unchecked: an unknown one is a ``KeyError``. The optional ``flattened_bucket`` format at the end
+  of this module sends full tensors that way, every name checked first.)
 * ``srt/weight_sync/utils.py::update_weights`` (the helper verl's ``sglang_rollout`` calls): each
   TP rank serializes its own tensor, ``LocalSerializedTensor(values=[rank 0's, rank 1's, ...])``
   per name, the producer's torch reductions patched (``monkey_patch_torch_reductions``: CUDA
@@ -29,7 +31,8 @@ Written against SGLang 0.5.23 (the wheel, read, not run here):
   ``scheduler_components/weight_updater.py``); ``flush_cache`` is taken per call.
 
 Shapes and names: ``models.layouts`` builds the ``sglang`` layout (``QKVParallelLinear``,
-``MergedColumnParallelLinear``, vocab padded to 64, vision MLP padded to 8); its names keep the HF
+``MergedColumnParallelLinear``, vocab padded to 64, or 64 x TP where TP does not divide that,
+vision MLP padded to 8); its names keep the HF
 module path, so ``sglang_name`` maps transformers' prefixes to the module paths of SGLang's
 ``Qwen2_5_VLForConditionalGeneration`` (``model.`` = its ``Qwen2Model``, ``visual.``, ``lm_head``).
 The test ``tests/test_rollout_sglang.py`` pins the result to SGLang's own parameter list
@@ -206,7 +209,8 @@ def load_weights_target(name: str) -> str:
     checkpoint tensor ``name`` (SGLang's checkpoint naming: ``model.layers.*``, ``visual.*``,
     ``lm_head``) into: its stacked-parameter loop (q/k/v -> ``qkv_proj`` except in the vision tower,
     gate/up -> ``gate_up_proj``), else ``attn.qkv.`` -> ``attn.qkv_proj.`` in the vision tower. A
-    target that is not a parameter is skipped by SGLang without a word."""
+    stacked target that is not a parameter is a ``KeyError`` in SGLang; any other one is skipped
+    without a word."""
     for param, weight in _STACKED:
         if weight not in name:
             continue

@@ -1,11 +1,13 @@
-"""Driver-side glue between phases: responses -> TrainBatch, rewards, advantages, batch metrics.
+"""Driver-side glue between phases: rewards, advantages, batch metrics (responses become a
+``TrainBatch`` through ``TrainBatch.from_responses``).
 
-Pure tensors, no workers: the schedules call these between the worker phases.
+Pure tensors, no workers: the step (``runtime/step.py``) calls these between the worker phases;
+each returns its values, and the step puts them on the batch in one place.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Optional
 
 import torch
 
@@ -13,93 +15,55 @@ from rollplex_train.algo.advantages import apply_kl_penalty, compute_advantages
 from rollplex_train.algo.kl import kl_penalty
 from rollplex_train.algo.rewards import RewardManager
 from rollplex_train.config import Config
-from rollplex_train.data.types import PromptSample, Response, TrainBatch
+from rollplex_train.data.types import Response, TrainBatch
 
 
-def to_train_batch(prompts: list[PromptSample], responses: list[Response], pad_id: int) -> TrainBatch:
-    """Stack grouped responses into a right-padded TrainBatch.
-
-    Args:
-        responses: N responses, those of one prompt contiguous (as engines return them).
-
-    Raises:
-        ValueError: an empty response list (nothing to train on).
-    """
-    if not responses:
-        raise ValueError("no responses to train on")
-    max_len = max(1, max(int(r.token_ids.shape[0]) for r in responses))
-    n = len(responses)
-    ids = torch.full((n, max_len), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, max_len), dtype=torch.float32)
-    rollout_logprobs = torch.zeros((n, max_len), dtype=torch.float32)
-    for i, r in enumerate(responses):
-        length = int(r.token_ids.shape[0])
-        ids[i, :length] = r.token_ids
-        mask[i, :length] = 1.0
-        rollout_logprobs[i, :length] = r.logprobs
-    return TrainBatch(
-        prompts=prompts,
-        group_index=torch.tensor([r.prompt_index for r in responses], dtype=torch.long),
-        response_ids=ids,
-        response_mask=mask,
-        rollout_logprobs=rollout_logprobs,
-    )
-
-
-def groups_batch(prompts: list[PromptSample], groups: dict[int, list[Response]], indices: list[int],
-                 pad_id: int) -> TrainBatch:
-    """The TrainBatch of some finished groups (``groups[i]``: prompt i's responses), prompts
-    renumbered 0..len(indices)-1 in ``indices`` order — the input of a suffix task during decode."""
-    responses = [dataclasses.replace(r, prompt_index=local) for local, i in enumerate(indices) for r in groups[i]]
-    return to_train_batch([prompts[i] for i in indices], responses, pad_id)
-
-
-def group_rows(batch: TrainBatch, indices: list[int]) -> torch.Tensor:
-    """Row indices of the responses of prompts ``indices``, in ``TrainBatch.select_groups`` order."""
-    wanted = set(indices)
-    return torch.tensor([row for row, g in enumerate(batch.group_index.tolist()) if g in wanted], dtype=torch.long)
+to_train_batch = TrainBatch.from_responses
+"""Responses -> a right-padded :class:`TrainBatch` (``TrainBatch.from_responses``)."""
 
 
 def score_responses(reward: RewardManager, batch: TrainBatch, responses: list[Response]):
-    """(N,) float32 scores and reward metrics for the batch's responses; the responses whose
-    reward function failed are marked in ``batch.reward_failed``."""
+    """(N,) float32 scores, (N,) bool failures (the reward function raised or gave no number) and
+    reward metrics of the batch's responses."""
     prompts = [batch.prompts[g] for g in batch.group_index.tolist()]
-    scores, batch.reward_failed, metrics = reward.score_with_failures(
+    return reward.score_with_failures(
         [r.text for r in responses],
         [p.ground_truth for p in prompts],
         [p.uid for p in prompts],
         [list(p.options) for p in prompts],
     )
-    return scores, metrics
 
 
-def add_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor) -> dict[str, float]:
-    """Fill ``batch.advantages`` with the configured estimator (KL in the reward if enabled).
+def step_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor, failed: Optional[torch.Tensor],
+               old: Optional[torch.Tensor], ref: Optional[torch.Tensor],
+               groups: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """(N, R) float32 advantages of the configured estimator (KL in the reward if enabled, from the
+    (N, R) old-policy and reference log-probs ``old``/``ref``), over the groups ``groups`` ((N,)
+    int64; None: ``batch.group_index``, the prompts; an environment run's: the seeds).
 
-    With ``reward.on_failure=exclude`` the responses in ``batch.reward_failed`` get advantage 0 and
-    stay out of their group's statistics; with ``zero`` they count as scored 0.
+    With ``reward.on_failure=exclude`` the responses ``failed`` get advantage 0 and stay out of their
+    group's statistics; with ``zero`` they count as scored 0.
 
     Returns:
-        ``critic/*`` metrics (scores, token rewards, advantages, returns).
+        the advantages and ``critic/*`` metrics (scores, token rewards, advantages, returns).
     """
     algo = cfg.algorithm
     token_rewards = None
     metrics: dict[str, float] = {}
-    if algo.use_kl_in_reward and batch.ref_logprobs is not None:
-        kl = kl_penalty(batch.old_logprobs, batch.ref_logprobs, algo.kl_estimator)
+    if algo.use_kl_in_reward and ref is not None:
+        kl = kl_penalty(old, ref, algo.kl_estimator)
         token_rewards = apply_kl_penalty(scores, kl, batch.response_mask, algo.kl_coef)
         metrics["critic/kl"] = float((kl * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1))
     advantages, returns = compute_advantages(
         algo.adv_estimator,
         scores=scores,
-        group_index=batch.group_index,
+        group_index=batch.group_index if groups is None else groups,
         response_mask=batch.response_mask,
         norm_adv_by_std=algo.norm_adv_by_std,
         gamma=algo.gamma,
         token_level_rewards=token_rewards,
-        exclude=batch.reward_failed if cfg.reward.on_failure == "exclude" else None,
+        exclude=failed if cfg.reward.on_failure == "exclude" else None,
     )
-    batch.advantages = advantages
     mask = batch.response_mask.bool()
     seq_rewards = token_rewards.sum(-1) if token_rewards is not None else scores
     metrics.update({
@@ -112,11 +76,17 @@ def add_advantages(cfg: Config, batch: TrainBatch, scores: torch.Tensor) -> dict
         "critic/advantages/min": float(advantages[mask].min()) if mask.any() else 0.0,
         "critic/returns/mean": float(returns[mask].mean()) if mask.any() else 0.0,
     })
-    return metrics
+    return advantages, metrics
 
 
-def batch_metrics(batch: TrainBatch, responses: list[Response], max_new_tokens: int) -> dict[str, float]:
+def batch_metrics(batch: TrainBatch, responses: list[Response], max_new_tokens: int,
+                  old_rows: Optional[torch.Tensor] = None) -> dict[str, float]:
     """``response_length/*``, ``prompt_length/*`` and the rollout-vs-actor log-prob mismatch.
+
+    ``rollout/logprob_diff_max`` (nats) is the largest ``|rollout logp - old logp|`` over the real
+    tokens of ``old_rows`` ((K,) int64 row indices), the rows whose old-policy log-probs were
+    computed before the update; the rows that reuse the actor's forward get theirs only inside it
+    (``runtime/old_policy.py``), so they are not read. None or empty: not logged.
 
     ``response_length/clip_ratio`` is the fraction of responses cut at ``max_new_tokens``
     (``finish_reason == "length"``); one that ended on EOS or a stop string exactly at the limit
@@ -132,8 +102,9 @@ def batch_metrics(batch: TrainBatch, responses: list[Response], max_new_tokens: 
         "prompt_length/mean": float(prompt_lengths.mean()),
         "prompt_length/max": float(prompt_lengths.max()),
     }
-    if batch.rollout_logprobs is not None and batch.old_logprobs is not None:
-        diff = (batch.rollout_logprobs - batch.old_logprobs).abs() * batch.response_mask
+    if batch.rollout_logprobs is not None and batch.old_logprobs is not None and old_rows is not None \
+            and old_rows.numel():
+        diff = (batch.rollout_logprobs[old_rows] - batch.old_logprobs[old_rows]).abs() * batch.response_mask[old_rows]
         out["rollout/logprob_diff_max"] = float(diff.max())
     return out
 

@@ -116,7 +116,7 @@ class StepGraph:
 def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_steps: int, mini_batch_groups: int,
                      needs_reference: bool, weights_version: int, prefix_bytes_per_token: float = 0.0,
                      actor_bytes_per_token: float = 0.0, old_from_actor_groups: int = 0,
-                     actor_prefixes_movable: bool = True) -> StepGraph:
+                     actor_prefixes_movable: bool = True, groups: Optional[list[int]] = None) -> StepGraph:
     """The task graph of one step.
 
     Args:
@@ -133,6 +133,9 @@ def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_s
         actor_prefixes_movable: False when the first mini-batch's actor prefixes run before decode
             (their KV caches handed to the rollout, ``schedule.prefill_from_actor``): not the
             planner's to place.
+        groups: the step's global prompt index of each group (a DP rank's graph covers some of the
+            step's groups): the tasks' ``group`` and names (default ``0 .. len(prompt_tokens) - 1``).
+            Mini-batch membership counts the groups in this order.
 
     Raises:
         ValueError: no groups, or ``mini_batch_groups`` < 1.
@@ -145,30 +148,32 @@ def build_step_graph(prompt_tokens: list[int], response_tokens: int, *, decode_s
     v = weights_version
     ref_roles = ["ref"] if needs_reference else []
     num_groups = len(prompt_tokens)
+    ids = list(range(num_groups)) if groups is None else list(groups)
+    assert len(ids) == num_groups, (ids, num_groups)
     num_mini = (num_groups + mini_batch_groups - 1) // mini_batch_groups
-    for i, tokens in enumerate(prompt_tokens):
-        g.add(Task(f"decode/g{i}", "decode", "rollout", i, tokens=response_tokens, weights_version=v))
-        g.add(Task(f"reward/g{i}", "reward", "driver", i, deps=(f"decode/g{i}",), weights_version=v))
+    for i, (gid, tokens) in enumerate(zip(ids, prompt_tokens)):
+        g.add(Task(f"decode/g{gid}", "decode", "rollout", gid, tokens=response_tokens, weights_version=v))
+        g.add(Task(f"reward/g{gid}", "reward", "driver", gid, deps=(f"decode/g{gid}",), weights_version=v))
         for role in (ref_roles if i < old_from_actor_groups else ["old", *ref_roles]):
-            prefix = g.add(Task(f"prefix/{role}/g{i}", f"prefix/{role}", "train", i, tokens=tokens,
+            prefix = g.add(Task(f"prefix/{role}/g{gid}", f"prefix/{role}", "train", gid, tokens=tokens,
                                 weights_version=v, movable=True,
                                 creates_bytes=int(tokens * prefix_bytes_per_token)))
-            g.add(Task(f"suffix/{role}/g{i}", f"suffix/{role}", "train", i, deps=(f"decode/g{i}", prefix.name),
+            g.add(Task(f"suffix/{role}/g{gid}", f"suffix/{role}", "train", gid, deps=(f"decode/g{gid}", prefix.name),
                        tokens=response_tokens, weights_version=v, frees=(prefix.name,)))
         if i < mini_batch_groups:  # the first optimizer step runs on the rollout's weights version
-            g.add(Task(f"prefix/actor/g{i}", "prefix/actor", "train", i, tokens=tokens, weights_version=v,
+            g.add(Task(f"prefix/actor/g{gid}", "prefix/actor", "train", gid, tokens=tokens, weights_version=v,
                        movable=actor_prefixes_movable, creates_bytes=int(tokens * actor_bytes_per_token)))
-    g.add(Task("adv", "adv", "driver", deps=tuple(f"reward/g{i}" for i in range(num_groups)), weights_version=v))
+    g.add(Task("adv", "adv", "driver", deps=tuple(f"reward/g{gid}" for gid in ids), weights_version=v))
     previous = "adv"
     for k in range(num_mini):
-        groups = range(k * mini_batch_groups, min(num_groups, (k + 1) * mini_batch_groups))
-        deps = [previous] + [f"suffix/{role}/g{i}" for i in groups for role in ["old", *ref_roles]
-                             if f"suffix/{role}/g{i}" in g.tasks]
+        members = ids[k * mini_batch_groups : (k + 1) * mini_batch_groups]
+        deps = [previous] + [f"suffix/{role}/g{gid}" for gid in members for role in ["old", *ref_roles]
+                             if f"suffix/{role}/g{gid}" in g.tasks]
         frees: tuple[str, ...] = ()
         if k == 0:
-            deps += [f"prefix/actor/g{i}" for i in groups]
-            frees = tuple(f"prefix/actor/g{i}" for i in groups)
+            deps += [f"prefix/actor/g{gid}" for gid in members]
+            frees = tuple(f"prefix/actor/g{gid}" for gid in members)
         previous = g.add(Task(f"update/mb{k}", "update", "train", deps=tuple(deps),
-                              tokens=response_tokens * len(groups), weights_version=v, frees=frees)).name
+                              tokens=response_tokens * len(members), weights_version=v, frees=frees)).name
     g.add(Task("sync", "sync", "rollout", deps=(previous,), weights_version=v + 1))
     return g

@@ -56,8 +56,8 @@ class WindowPlan:
         mode: ``plan`` (chosen by prediction), ``profile_serial`` or ``profile_split`` (calibration).
         decode_share / train_share: device units (threads) of the rollout and train workers while
             the window tasks run (``train_share == 0``: no overlap).
-        window_tasks: names of the tasks to run inside the window, in order.
-        after_tasks: movable tasks left for after decode (run on the whole device).
+        window_tasks: the tasks to run inside the window, in run order (:func:`run_order`).
+        after_tasks: movable tasks left for after decode (run on the whole device), in run order.
         predicted_s: predicted seconds from decode start to the end of all movable work.
         predicted_no_overlap_s: the same for the no-overlap placement (the planner's baseline).
         window_bytes: prefix-state bytes the window tasks leave alive.
@@ -71,8 +71,8 @@ class WindowPlan:
     mode: str
     decode_share: int
     train_share: int
-    window_tasks: list[str] = field(default_factory=list)
-    after_tasks: list[str] = field(default_factory=list)
+    window_tasks: list[Task] = field(default_factory=list)
+    after_tasks: list[Task] = field(default_factory=list)
     predicted_s: Optional[float] = None
     predicted_no_overlap_s: Optional[float] = None
     window_bytes: int = 0
@@ -92,11 +92,31 @@ class WindowPlan:
         return self.train_share > 0 and (bool(self.window_tasks) or bool(self.chunk_bounds))
 
 
-def run_order(tasks: list[Task]) -> list[str]:
-    """Names in the order the suffix passes consume them — old-policy, reference, then actor
+def run_order(tasks: list[Task]) -> list[Task]:
+    """``tasks`` in the order the suffix passes consume them — old-policy, reference, then actor
     prefixes, each by group — so consecutive tasks of one role batch into one worker call."""
     rank = {"prefix/old": 0, "prefix/ref": 1, "prefix/actor": 2}
-    return [t.name for t in sorted(tasks, key=lambda t: (rank.get(t.kind, 3), t.group or 0))]
+    return sorted(tasks, key=lambda t: (rank.get(t.kind, 3), t.group or 0))
+
+
+@dataclass(frozen=True)
+class PrefixCall:
+    """One worker call of prefix tasks: ``role`` (``old``/``ref``/``actor``) over the global prompt
+    indices ``groups``, in order."""
+
+    role: str
+    groups: tuple[int, ...]
+
+
+def prefix_calls(tasks: list[Task]) -> list[PrefixCall]:
+    """Consecutive same-role prefix tasks batched into worker calls, in task order."""
+    calls: list[PrefixCall] = []
+    for t in tasks:
+        if calls and calls[-1].role == t.role:
+            calls[-1] = PrefixCall(t.role, calls[-1].groups + (t.group,))
+        else:
+            calls.append(PrefixCall(t.role, (t.group,)))
+    return calls
 
 
 class PhasePlanner:
@@ -166,8 +186,7 @@ class PhasePlanner:
         shortfall and fraction terms only."""
         per_key: dict[tuple[str, int], float] = {}
         if plan.overlaps:
-            by_name = {t.name: t for t in movable}
-            window = [by_name[name] for name in plan.window_tasks]
+            window = plan.window_tasks
             for t in window:
                 for threads in (plan.train_share, self.total):
                     per_key[(t.kind, threads)] = per_key.get((t.kind, threads), 0.0) + cost.seconds(t.kind, t.tokens, threads)
@@ -218,7 +237,7 @@ class PhasePlanner:
         kind, movable = "chunk/ref", graph.movable()
         d_share, c_share = max(1, (self.total + 1) // 2), self.total // 2
         known = cost.known(kind, c_share) and cost.known(kind, self.total)
-        window = [t for t in movable if t.kind == "prefix/ref" or t.name in plan.window_tasks]  # refs first: chunks need them
+        window = [t for t in movable if t.kind == "prefix/ref" or t in plan.window_tasks]  # refs first: chunks need them
         after = [t for t in movable if t not in window]
         if calibrating or plan.mode != "plan":
             if not calibrating or known:

@@ -151,8 +151,7 @@ def predict_rollplex(graph: StepGraph, cost: CostModel, share: int, prefill_toke
     prefill = cost.seconds("prefill", prefill_tokens, share)
     pred.add("gen", prefill, copies.get("gen"))
     t0 = pred.step_s
-    window = [graph[n] for n in plan.window_tasks]
-    after = [graph[n] for n in plan.after_tasks]
+    window, after = plan.window_tasks, plan.after_tasks
     hidden = _seconds(cost, window, plan.train_share) if plan.overlaps else 0.0
     tl = pred.timeline
     if plan.overlaps:

@@ -1,11 +1,17 @@
-"""What the schedules need from the worker groups, free of Ray.
+"""What the step needs from the worker groups, free of Ray: pending calls and typed results.
 
-The schedules (``runtime/``) drive a ``RolloutGroup`` and a ``TrainGroup`` (``cluster/groups.py``)
+The step (``runtime/step.py``) drives a ``RolloutGroup`` and a ``TrainGroup`` (``cluster/groups.py``)
 whose calls return :class:`Pending` results: a list of ``concurrent.futures.Future`` (one per
 worker called) and a function that combines their values. The Ray executor makes the futures from
-``ObjectRef.future()``, the in-process executor from its per-worker threads, so the schedules read
-the same on both and never import Ray (verl's ``single_controller`` dispatch / collect split,
+``ObjectRef.future()``, the in-process executor from its per-worker threads, so the step reads
+the same on both and never imports Ray (verl's ``single_controller`` dispatch / collect split,
 slime's ``RayTrainGroup`` fan-out).
+
+Workers answer with typed records: the training engines' ``PrefixResult`` and ``ChunkResult``
+(``training/base.py``, each with its observability numbers in one ``metrics`` field; the groups put
+the step's global prompt indices on them) and :class:`WeightsExport`. A decode strategy answers the step with a :class:`RolloutResult`. Times are
+``time.perf_counter`` seconds of the process that measured them (CLOCK_MONOTONIC: comparable with
+the driver's on one machine).
 """
 
 from __future__ import annotations
@@ -13,7 +19,41 @@ from __future__ import annotations
 import concurrent.futures as cf
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
+
+
+@dataclass
+class WeightsExport:
+    """A train rank's shared actor weights (``export_shared_weights``): ``payload`` for the rollout
+    engine's ``map_shared_weights``, and the bytes shared as views, rebuilt per sync and held by the
+    rollout in all."""
+
+    payload: Any
+    view_bytes: float
+    rebuild_bytes: float
+    rollout_bytes: float
+
+
+@dataclass
+class RolloutResult:
+    """What a decode strategy hands the step (``runtime/step.py``).
+
+    Attributes:
+        responses: every response, grouped by prompt in the step's global prompt order
+            (``Response.prompt_index`` global).
+        log_probs: log-probs the strategy already computed, by role (``actor``: the old policy,
+            ``ref``) and global prompt index: (n, R_g) float32, R_g the group's longest response.
+            The log-prob phases compute only the groups missing here.
+        metrics: the strategy's step metrics (``rollplex/*``, ``planner/*``, ``cost/*``).
+        ref_pass_whole: the reference phase after it runs every group's suffix in one pass (nothing
+            of it ran before): the strategy may time it (``DecodeStrategy.observe``).
+    """
+
+    responses: list
+    log_probs: dict[str, dict[int, Any]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    ref_pass_whole: bool = False
 
 
 class Pending:

@@ -34,7 +34,7 @@ from rollplex_train.memory import estimate as est
 from rollplex_train.runtime.cost_model import CostModel
 
 if TYPE_CHECKING:
-    from rollplex_train.runtime.hardware import GpuConfig, TimelineConfig
+    from rollplex_train.hardware import GpuConfig, TimelineConfig
 
 GB = 1e9
 

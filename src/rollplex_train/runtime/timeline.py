@@ -7,7 +7,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 ROWS = ("driver", "rollout", "train")
 
@@ -24,26 +24,27 @@ class Span:
 
 @dataclass
 class Timeline:
-    """The spans of one step, measured with ``time.perf_counter`` in the driver."""
+    """The spans of one step, measured with ``time.perf_counter`` in the driver, and the seconds
+    per span name (``seconds``: the step's ``timing_s/*``)."""
 
     origin: float = field(default_factory=time.perf_counter)
     spans: list[Span] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def now(self) -> float:
         """Seconds since the step started."""
         return time.perf_counter() - self.origin
 
     @contextmanager
-    def span(self, name: str, row: str, timings: Optional[dict[str, float]] = None) -> Iterator[None]:
-        """Record the block as a span; also add its seconds to ``timings[name]`` (``timing_s/*``)."""
+    def span(self, name: str, row: str) -> Iterator[None]:
+        """Record the block as a span; also add its seconds to ``seconds[name]`` (``timing_s/*``)."""
         start = self.now()
         try:
             yield
         finally:
             end = self.now()
             self.spans.append(Span(name, row, start, end))
-            if timings is not None:
-                timings[name] = timings.get(name, 0.0) + end - start
+            self.seconds[name] = self.seconds.get(name, 0.0) + end - start
 
     def add(self, name: str, row: str, start_s: float, end_s: float) -> None:
         """Record a span measured elsewhere (e.g. a worker's task inside the decode window)."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from rollplex_train.memory import estimate as est
 from rollplex_train.parallel import ParallelLayout
 from rollplex_train.runtime.graph import StepGraph, build_step_graph
-from rollplex_train.runtime.old_policy import actor_forward_is_old_policy
+from rollplex_train.runtime.old_policy import reuse_actor_forward
 from rollplex_train.runtime.predict import PHASE_ROWS, Copies, StepPrediction, predict_rollplex, predict_serial
 from rollplex_train.runtime.roofline import DeviceWork, RooflineModel
 
@@ -67,7 +67,7 @@ def device_work(config: "Config", hf: Any, train_dp: int, rollout_dp: int) -> De
         decode_steps=batch.response_tokens, mini_batch_groups=mini,
         train_tp=config.actor.tensor_parallel_size, rollout_tp=config.rollout.tensor_parallel_size,
         train_dp=train_dp, recompute=config.memory.activation_recompute,
-        needs_reference=config.algorithm.needs_reference, old_from_actor_groups=mini if actor_forward_is_old_policy(config, hf.to_dict()) else 0)
+        needs_reference=config.algorithm.needs_reference, old_from_actor_groups=mini if reuse_actor_forward(config, hf.to_dict()) else 0)
 
 
 def frame_patches(config: "Config", hf: Any) -> int:

@@ -35,7 +35,7 @@ import torch
 import torch.multiprocessing as tmp  # registers the tensor/storage reductions with ForkingPickler
 from multiprocessing.reduction import ForkingPickler
 
-from rollplex_train.versioning import StaleWeightsError, WeightsVersion  # noqa: F401  (re-exported)
+from rollplex_train.versioning import StaleWeightsError, WeightsVersion, check_newer  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +108,7 @@ def check_sync(shared: Optional[SharedWeights], current: int, version: int) -> S
     """
     if shared is None:
         raise RuntimeError("sync_shared_weights before map_shared_weights")
-    if version <= current:
-        raise StaleWeightsError(f"weights version {version} is not newer than {current}")
+    check_newer(version, current, "sync_shared_weights")
     shared.check(version)
     return shared
 

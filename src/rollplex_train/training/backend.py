@@ -91,10 +91,11 @@ class ModelBackend(Protocol):
     layout: Optional[object]
     rank: int
 
-    def score_full(self, model, prompts: list, part: dict, *, temperature: float,
+    def score_full(self, model, part, *, temperature: float,
                    with_entropy: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(N, R) float32 log-probs (and entropy) of ``part``'s responses (``group_index``,
-        ``response_ids``, ``response_mask``) from full-sequence forwards of ``model``."""
+        """(N, R) float32 log-probs (and entropy) of the responses of ``part`` (a ``TrainBatch``
+        selection: ``prompts``, ``group_index``, ``response_ids``, ``response_mask``) from
+        full-sequence forwards of ``model``."""
 
     def zero_grad(self) -> None:
         """Clear the gradients (before a mini-batch's first backward and after its step)."""

@@ -5,6 +5,7 @@ registry. Its one implementation is the PPO loop (``training/ppo_loop.py``) over
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -12,6 +13,47 @@ import torch
 
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.registry import Registry
+
+
+@dataclass
+class PrefixResult:
+    """What one ``precompute_prefixes`` call did (on a DP rank: its replica's first rank answers).
+
+    Attributes:
+        seconds / tokens: per role encoded (``old``, ``ref``, ``actor``): wall seconds and prompt tokens.
+        start_time / end_time: the call's span. threads: torch threads it ran on.
+        bytes_held: prefix-state bytes the rank holds after the call.
+        states: with ``export``, the last role's states (no graph), one per prompt, in call order.
+        groups: the step's global prompt indices of the call; dp: the DP rank that ran it (both set
+            by ``cluster.groups.TrainGroup``).
+        metrics: the rest of the engine's numbers (``prefix/num_states``, ``prefix/seconds``).
+    """
+
+    seconds: dict[str, float]
+    tokens: dict[str, int]
+    start_time: float
+    end_time: float
+    threads: int
+    bytes_held: float
+    states: list = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+    dp: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ChunkResult:
+    """What one ``score_suffix_chunks`` call did: ``tokens`` input tokens (all rows) of ``role``'s
+    suffix pass run in ``seconds`` on ``threads`` threads, between ``start_time`` and ``end_time``
+    (``time.perf_counter`` of the process); ``metrics``: ``suffix/bytes_held`` (chunked passes held)."""
+
+    role: str
+    seconds: float
+    tokens: int
+    start_time: float
+    end_time: float
+    threads: int
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class TrainEngine(abc.ABC):
@@ -36,18 +78,20 @@ class TrainEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def update_actor(self, batch: TrainBatch) -> dict[str, float]:
+    def update_actor(self, batch: TrainBatch, temperature: float = 1.0, old_from_actor: bool = False) -> dict[str, float]:
         """One PPO update over the batch (mini-batches x epochs); returns ``actor/*`` metrics.
 
-        Requires ``batch.advantages`` and ``batch.old_logprobs`` (and ``ref_logprobs`` with a KL loss).
+        Requires ``batch.advantages`` and ``batch.old_logprobs`` (and ``ref_logprobs`` with a KL loss);
+        ``old_from_actor``: the first mini-batch's old log-probs are its own forward (the step decides,
+        ``runtime/old_policy.reuse_actor_forward``), ``old_logprobs`` holds the other rows.
         Increments ``weights_version`` by one.
         """
 
     def precompute_prefixes(self, prompts, roles: list[str], weights_version: int,
-                            export: bool = False) -> dict[str, float]:
-        """Encode prompt prefixes ahead of their suffix passes (``schedule=rollplex``); returns
-        ``prefix/*`` metrics including ``prefix/seconds`` (and, with ``export``, ``prefix/states``:
-        the last role's states without their graph, for the rollout engine to decode from).
+                            export: bool = False) -> PrefixResult:
+        """Encode prompt prefixes ahead of their suffix passes (``schedule=rollplex``); with
+        ``export`` the result's ``states`` are the last role's states without their graph, for the
+        rollout engine to decode from.
 
         Raises:
             NotImplementedError: the backend has no prefix/suffix decomposition.
@@ -57,8 +101,15 @@ class TrainEngine(abc.ABC):
     supports_suffix_chunks: bool = False
     """Whether :meth:`score_suffix_chunks` runs (the planner streams suffix chunks only then)."""
 
+    exports_prefix_states: bool = False
+    """Whether ``precompute_prefixes(export=True)`` returns whole prefix states a rollout engine can
+    decode from (not TP shards; the config's ``schedule.prefill_from_actor`` asks this)."""
+
+    supports_model_parallel: bool = False
+    """Whether ``actor.tensor_parallel_size`` / ``pipeline_parallel_size`` above 1 can be honoured."""
+
     def score_suffix_chunks(self, prompts, role: str, tokens: dict[int, torch.Tensor], width: int,
-                            weights_version: int, final: bool = False) -> dict[str, float]:
+                            weights_version: int, final: bool = False) -> ChunkResult:
         """Run the suffix pass of decoding groups on the tokens they have so far (``schedule=rollplex``
         under ``rollout.ignore_eos``); the later ``compute_log_probs`` of those groups finishes it.
 

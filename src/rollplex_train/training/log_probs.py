@@ -21,22 +21,13 @@ from rollplex_train.config import ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.device import compute_context
 from rollplex_train.models.prefix import chunk_end
+from rollplex_train.training.base import ChunkResult, PrefixResult
 from rollplex_train.training.prefix_store import PrefixStore
 
 log = logging.getLogger(__name__)
 
-
-def rows_of(batch: TrainBatch, rows: torch.Tensor) -> dict[str, Optional[torch.Tensor]]:
-    """The per-response tensors of ``batch`` at ``rows`` (group_index keeps global prompt ids)."""
-    take = lambda t: None if t is None else t.index_select(0, rows)  # noqa: E731
-    return dict(
-        group_index=take(batch.group_index),
-        response_ids=take(batch.response_ids),
-        response_mask=take(batch.response_mask),
-        advantages=take(batch.advantages),
-        old_logprobs=take(batch.old_logprobs),
-        ref_logprobs=take(batch.ref_logprobs),
-    )
+LOSS_INPUTS = ("group_index", "response_ids", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
+"""The per-response fields of a micro-batch the loss reads (``ResponseScorer.forward`` moves them to the device)."""
 
 
 class ResponseScorer:
@@ -77,38 +68,37 @@ class ResponseScorer:
         """(part, (logp, entropy)): the per-response tensors at ``rows`` on the backend's device and
         their (n, R) float32 log-probs (and entropy or None) under ``model`` (``role``: ``actor`` or
         ``ref``; with grad enabled an actor pass keeps the graph)."""
-        part = rows_of(batch, rows)
+        part = batch.at_rows(rows)
         if not self.model_cfg.shared_prefix:
             with self.compute():
-                out = self.backend.score_full(model, batch.prompts, part, temperature=temperature,
-                                              with_entropy=with_entropy)
+                out = self.backend.score_full(model, part, temperature=temperature, with_entropy=with_entropy)
             return self._on_device(part), out
-        groups = set(part["group_index"].tolist())
+        groups = set(part.group_index.tolist())
         assert len(groups) == 1, "with a shared prefix a micro-batch is one group (micro_batches)"
         prompt = batch.prompts[groups.pop()]
         store_role, version = self.prefix_key(role, param_version)
         # the group's own width, not the batch's: the numbers do not depend on which groups share a call
-        width = max(1, int(part["response_mask"].sum(-1).max()))
+        width = max(1, int(part.response_mask.sum(-1).max()))
         chunked = self.chunked.pop((prompt.uid, store_role, version), None)
         if chunked is not None and (chunked.width, chunked.n) != (width, len(rows)):
             chunked = None  # not the pass these rows need: score them in one call
         state = None if chunked is not None else self.held_prefix(prompt, store_role, version)
         with self.compute():
             if chunked is not None:  # scored in chunks during decode (score_chunks): finish it
-                logp, ent = chunked.log_probs(part["response_ids"][:, :width], part["response_mask"][:, :width],
+                logp, ent = chunked.log_probs(part.response_ids[:, :width], part.response_mask[:, :width],
                                               temperature=temperature, with_entropy=with_entropy)
             else:
                 logp, ent = self.backend.prefix_passes.score(
-                    model, [state], torch.zeros(len(rows), dtype=torch.long), part["response_ids"][:, :width],
-                    part["response_mask"][:, :width], temperature=temperature, with_entropy=with_entropy)
+                    model, [state], torch.zeros(len(rows), dtype=torch.long), part.response_ids[:, :width],
+                    part.response_mask[:, :width], temperature=temperature, with_entropy=with_entropy)
         self.prefixes.release(prompt.uid, store_role, version)  # the suffix pass was its last consumer
-        pad = part["response_ids"].shape[1] - width
+        pad = part.response_ids.shape[1] - width
         return self._on_device(part), (torch.nn.functional.pad(logp, (0, pad)),
                                        None if ent is None else torch.nn.functional.pad(ent, (0, pad)))
 
-    def _on_device(self, part: dict) -> dict:
-        """The per-response tensors of ``part`` on the backend's device (the loss inputs)."""
-        return {k: None if v is None else v.to(self.backend.device) for k, v in part.items()}
+    def _on_device(self, part: TrainBatch) -> dict[str, Optional[torch.Tensor]]:
+        """The loss inputs of ``part`` on the backend's device, by field name."""
+        return {k: None if getattr(part, k) is None else getattr(part, k).to(self.backend.device) for k in LOSS_INPUTS}
 
     @staticmethod
     def prefix_key(role: str, param_version: int) -> tuple[str, object]:
@@ -137,38 +127,36 @@ class ResponseScorer:
                 self.prefixes.put(store_role, state)
 
     def precompute(self, prompts, roles: list[str], *, param_version: int, weights_version: int,
-                   export: bool) -> dict:
+                   export: bool) -> PrefixResult:
         """Encode the prefixes of ``prompts`` for ``roles`` (``TrainEngine.precompute_prefixes``
-        gives the arguments and the metrics returned).
+        gives the arguments and the result).
 
         Raises:
             ValueError: a ``ref`` prefix without a reference model, or an unknown role.
         """
         ref = self.backend.ref
         start = time.perf_counter()
-        out = {"prefix/start_time": start, "prefix/threads": float(torch.get_num_threads())}
+        seconds, tokens, states = {}, {}, []
         for role in roles:
             if role not in ("ref", "old", "actor") or (role == "ref" and ref is None):
                 raise ValueError(f"cannot precompute {role!r} prefixes (reference present: {ref is not None})")
             begin = time.perf_counter()
             self.encode(prompts, role, "ref" if role == "ref" else param_version)
-            out[f"prefix/{role}/seconds"] = time.perf_counter() - begin
-            out[f"prefix/{role}/tokens"] = float(sum(p.prompt_length for p in prompts))
+            seconds[role] = time.perf_counter() - begin
+            tokens[role] = sum(p.prompt_length for p in prompts)
         if export:
             role = roles[-1]
             version = "ref" if role == "ref" else param_version
-            out["prefix/states"] = [self.prefixes.take(p.uid, role, version).detached(weights_version)
-                                    for p in prompts]
-        out.update({"prefix/end_time": time.perf_counter(), "prefix/bytes_held": float(self.prefixes.bytes_held),
-                    "prefix/num_states": float(len(self.prefixes))})
-        out["prefix/seconds"] = out["prefix/end_time"] - start
-        return out
+            states = [self.prefixes.take(p.uid, role, version).detached(weights_version) for p in prompts]
+        end = time.perf_counter()
+        return PrefixResult(seconds, tokens, start, end, torch.get_num_threads(), float(self.prefixes.bytes_held),
+                            states, metrics={"prefix/num_states": float(len(self.prefixes)), "prefix/seconds": end - start})
 
     @torch.no_grad()
     def score_chunks(self, prompts, role: str, tokens: dict[int, torch.Tensor], width: int, *,
-                     param_version: int, final: bool) -> dict[str, float]:
+                     param_version: int, final: bool) -> ChunkResult:
         """Run decoding groups' suffix passes on their tokens so far (``TrainEngine.score_suffix_chunks``
-        gives the arguments and the metrics returned).
+        gives the arguments and the result).
 
         Raises:
             NotImplementedError: the backend's prefix passes have no chunked form.
@@ -198,10 +186,8 @@ class ResponseScorer:
                 with self.compute():
                     ran += chunked.extend(ids[:, :end], torch.ones(ids.shape[0], end)) * ids.shape[0]
         end_time = time.perf_counter()
-        return {f"suffix/{role}/seconds": end_time - start, f"suffix/{role}/tokens": float(ran),
-                "suffix/start_time": start, "suffix/end_time": end_time,
-                "suffix/threads": float(torch.get_num_threads()),
-                "suffix/bytes_held": float(sum(c.nbytes for c in self.chunked.values()))}
+        return ChunkResult(role, end_time - start, ran, start, end_time, torch.get_num_threads(),
+                           metrics={"suffix/bytes_held": float(sum(c.nbytes for c in self.chunked.values()))})
 
     def drop_stale(self, param_version: int) -> None:
         """After an update: free actor prefix states made for a parameter state that no longer

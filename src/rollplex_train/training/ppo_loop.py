@@ -25,9 +25,9 @@ from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
 from rollplex_train.models.loading import has_dropout
-from rollplex_train.training.base import TrainEngine
+from rollplex_train.training.base import ChunkResult, PrefixResult, TrainEngine
 from rollplex_train.training.log_probs import ResponseScorer
-from rollplex_train.training.prefix_store import StalePrefixError
+from rollplex_train.versioning import check_version
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +75,8 @@ class PPOEngine(TrainEngine):
         self.param_version = 0
         self.optimizer_steps = 0
         self._shared = None  # sharing.share.WeightShare once export_shared_weights() ran
-
-    @property
-    def supports_suffix_chunks(self) -> bool:
-        return self.backend.prefix_passes.chunked is not None
+        # the class declares it (the config asks the registry); the backend must agree
+        assert self.supports_suffix_chunks == (backend.prefix_passes.chunked is not None), type(self).__name__
 
     # ---- scoring ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -100,41 +98,35 @@ class PPOEngine(TrainEngine):
                 ents[rows] = ent.to(ents.device)
         return logps, ents
 
-    def _check_version(self, weights_version: int, what: str) -> None:
-        if weights_version != self.weights_version:
-            raise StalePrefixError(f"{what} for weights version {weights_version}, the actor holds "
-                                   f"version {self.weights_version}")
-
     def precompute_prefixes(self, prompts, roles: list[str], weights_version: int,
-                            export: bool = False) -> dict[str, float]:
+                            export: bool = False) -> PrefixResult:
         """Encode the prefixes of ``prompts`` for later suffix passes (the decode-window work).
 
         Args:
             roles: any of ``ref`` (reference), ``old`` (old-policy log-probs), ``actor`` (with the
                 autograd graph, for the first mini-batch of the next update).
             weights_version: the version the caller expects (the rollout's).
-            export: also return ``prefix/states``, the last role's states of ``prompts`` in order,
+            export: also return the last role's states of ``prompts`` in order (``states``),
                 detached (``PrefixState.detached``; they share the stored tensors): an ``old`` or
                 ``actor`` state is the prompt's KV cache under the rollout's weights, which the
                 rollout engine decodes from instead of prefilling (``schedule.prefill_from_actor``).
 
         Returns:
-            ``prefix/<role>/seconds`` (wall time of that role's encoding), ``prefix/<role>/tokens``
-            (prompt tokens encoded), ``prefix/start_time``/``prefix/end_time`` (``time.perf_counter``
-            of this process: CLOCK_MONOTONIC, comparable with the driver's on one machine),
-            ``prefix/threads``, and ``prefix/bytes_held``/``prefix/num_states`` after the call;
-            with ``export``, ``prefix/states`` (recorded under ``weights_version``).
+            per role its wall seconds and prompt tokens, the call's span (``time.perf_counter`` of
+            this process: CLOCK_MONOTONIC, comparable with the driver's on one machine), threads,
+            the bytes held after it (``metrics``: ``prefix/num_states``); with ``export`` the states
+            (recorded under ``weights_version``).
 
         Raises:
-            StalePrefixError: ``weights_version`` differs from this engine's.
+            StaleWeightsError: ``weights_version`` differs from this engine's.
             ValueError: a ``ref`` prefix without a reference model, or an unknown role.
         """
-        self._check_version(weights_version, "prefix tasks")
+        check_version(weights_version, self.weights_version, "prefix tasks", "the actor")
         return self.scorer.precompute(prompts, roles, param_version=self.param_version,
                                       weights_version=weights_version, export=export)
 
     def score_suffix_chunks(self, prompts, role: str, tokens: dict[int, torch.Tensor], width: int,
-                            weights_version: int, final: bool = False) -> dict[str, float]:
+                            weights_version: int, final: bool = False) -> ChunkResult:
         """Run the suffix pass of decoding groups on the tokens decoded so far, in chunks that give
         the one-call pass's numbers (``models.prefix.ChunkedSuffix``); ``compute_log_probs`` of
         those groups then runs only the tokens left. Needs ``model.shared_prefix``.
@@ -147,42 +139,42 @@ class PPOEngine(TrainEngine):
             final: the pass's last chunk (``tokens`` hold whole responses): run every input left.
 
         Returns:
-            ``suffix/<role>/seconds``, ``suffix/<role>/tokens`` (input tokens run, all rows),
-            ``suffix/start_time``/``suffix/end_time`` (``time.perf_counter``), ``suffix/threads``,
-            ``suffix/bytes_held`` (chunked passes held).
+            the seconds and input tokens run (all rows), the call's span (``time.perf_counter``),
+            threads; ``metrics``: ``suffix/bytes_held`` (chunked passes held).
 
         Raises:
             NotImplementedError: the backend cannot run suffix chunks (Megatron's TP shards).
-            StalePrefixError: ``weights_version`` differs from this engine's.
+            StaleWeightsError: ``weights_version`` differs from this engine's.
             ValueError: an unknown role, a missing reference or ``model.shared_prefix=false``.
         """
         if not self.supports_suffix_chunks:
             raise NotImplementedError(f"{type(self.backend).__name__} cannot score suffix chunks (its prefix "
                                       "states are TP shards)")
-        self._check_version(weights_version, "suffix chunks")
+        check_version(weights_version, self.weights_version, "suffix chunks", "the actor")
         return self.scorer.score_chunks(prompts, role, tokens, width, param_version=self.param_version, final=final)
 
     # ---- update -----------------------------------------------------------------------------------
-    def update_actor(self, batch: TrainBatch, temperature: float = 1.0) -> dict[str, float]:
+    def update_actor(self, batch: TrainBatch, temperature: float = 1.0, old_from_actor: bool = False) -> dict[str, float]:
         """PPO epochs x mini-batches x micro-batches over ``batch`` (see the module docstring).
 
-        With ``batch.old_logprobs_from_actor`` the first mini-batch of the first epoch takes its
-        old-policy log-probs from its own forward (``old = logp.detach()``: ratio exactly 1), and
-        later epochs reuse those values (``runtime/old_policy.py``).
+        With ``old_from_actor`` (the step's decision, ``runtime/old_policy.reuse_actor_forward``)
+        the first mini-batch of the first epoch takes its old-policy log-probs from its own forward
+        (``old = logp.detach()``: ratio exactly 1), and later epochs reuse those values;
+        ``batch.old_logprobs`` then holds only the other mini-batches' rows (None when there are none).
 
         Raises:
             ValueError: advantages, old log-probs (of the mini-batches that need them) or reference
-                log-probs (with the KL loss) missing; ``old_logprobs_from_actor`` on a model with dropout.
+                log-probs (with the KL loss) missing; ``old_from_actor`` on a model with dropout.
         """
         num_prompts = len(batch.prompts)
         mini = self.cfg.ppo_mini_batch_size if self.cfg.ppo_mini_batch_size > 0 else num_prompts
         specs = batch.plan_mini_batches(max(1, mini))
-        from_actor = batch.old_logprobs_from_actor
+        from_actor = old_from_actor
         if batch.advantages is None or (batch.old_logprobs is None and not (from_actor and len(specs) == 1)):
             raise ValueError("update_actor needs batch.advantages and batch.old_logprobs (all mini-batches but "
-                             "the first when old_logprobs_from_actor)")
+                             "the first when old_from_actor)")
         if from_actor and has_dropout(self.actor.config.to_dict()):
-            raise ValueError("old_logprobs_from_actor: the checkpoint has dropout, so the training forward is "
+            raise ValueError("old_from_actor: the checkpoint has dropout, so the training forward is "
                              "not the old policy; set actor.recompute_old_log_prob=true")
         use_kl = self.algo.use_kl_loss and self.ref is not None
         if use_kl and batch.ref_logprobs is None:
@@ -293,12 +285,9 @@ class PPOEngine(TrainEngine):
         return self._shared.export()
 
     def publish_weights(self, version: int) -> dict[str, float]:
-        from rollplex_train.versioning import StaleWeightsError
-
         if self._shared is None:
             raise RuntimeError("publish_weights before export_shared_weights")
-        if version != self.weights_version:
-            raise StaleWeightsError(f"publish of weights version {version}, the actor holds {self.weights_version}")
+        check_version(version, self.weights_version, "publish", "the actor")
         return self._shared.publish(version)
 
     def weights_digest(self) -> dict[str, str]:

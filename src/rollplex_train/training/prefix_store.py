@@ -12,12 +12,9 @@ from dataclasses import dataclass
 from typing import Union
 
 from rollplex_train.models.prefix import PrefixState
+from rollplex_train.versioning import StaleWeightsError
 
 Version = Union[int, str]
-
-
-class StalePrefixError(RuntimeError):
-    """A suffix call asked for a prefix made under a different weights version."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,7 @@ class PrefixStore:
         """The state of ``uid``/``role`` made under ``version``.
 
         Raises:
-            StalePrefixError: the store holds this prompt's prefix only under other versions.
+            StaleWeightsError: the store holds this prompt's prefix only under other versions.
             KeyError: no prefix for this prompt and role at all.
         """
         key = PrefixKey(uid, role, version)
@@ -58,7 +55,7 @@ class PrefixStore:
             return self._states[key]
         others = sorted(str(k.version) for k in self._states if k.uid == uid and k.role == role)
         if others:
-            raise StalePrefixError(
+            raise StaleWeightsError(
                 f"prefix of {uid!r} ({role}) was made with weights version(s) {others}; the suffix call "
                 f"runs under version {version}: refusing to mix weights versions in one step"
             )

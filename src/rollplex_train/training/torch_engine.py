@@ -64,11 +64,11 @@ class TorchBackend:
         self._offloader = None  # memory.offload.ModuleOffloader on first offload()
 
     # ---- model calls ------------------------------------------------------------------------------
-    def score_full(self, model, prompts, part: dict, *, temperature: float, with_entropy: bool):
+    def score_full(self, model, part, *, temperature: float, with_entropy: bool):
         ids, mask, plen, vision = build_full_sequences(
-            prompts, part["group_index"], part["response_ids"], part["response_mask"], self.pad_id
+            part.prompts, part.group_index, part.response_ids, part.response_mask, self.pad_id
         )
-        return response_logprobs(model, ids, mask, vision, plen, part["response_ids"], part["response_mask"],
+        return response_logprobs(model, ids, mask, vision, plen, part.response_ids, part.response_mask,
                                  temperature=temperature, with_entropy=with_entropy)
 
     # ---- gradients and optimizer ------------------------------------------------------------------
@@ -158,7 +158,10 @@ class TorchBackend:
 @register_train_engine("torch")
 class TorchTrainEngine(PPOEngine):
     """The PPO loop over a :class:`TorchBackend` (arguments as the backend's). It adds nothing to
-    the loop but the backend it builds."""
+    the loop but the backend it builds and its declared capabilities."""
+
+    supports_suffix_chunks = True  # models.prefix.ChunkedSuffix
+    exports_prefix_states = True  # whole transformers KV caches (schedule.prefill_from_actor)
 
     def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1,
                  layout=None, rank: int = 0):

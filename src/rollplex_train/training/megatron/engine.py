@@ -106,8 +106,8 @@ class MegatronBackend:
         self._offload: Optional[AdamStateOffload] = None
 
     # ---- model calls ------------------------------------------------------------------------------
-    def score_full(self, model, prompts, part: dict, *, temperature: float, with_entropy: bool):
-        return scoring.full_logprobs(model, prompts, part["group_index"], part["response_ids"], part["response_mask"],
+    def score_full(self, model, part, *, temperature: float, with_entropy: bool):
+        return scoring.full_logprobs(model, part.prompts, part.group_index, part.response_ids, part.response_mask,
                                      self.pad_id, temperature=temperature, with_entropy=with_entropy,
                                      vision_grad=not self.model_cfg.freeze_vision_tower)
 
@@ -283,7 +283,9 @@ class MegatronBackend:
 @register_train_engine("megatron")
 class MegatronTrainEngine(PPOEngine):
     """The PPO loop over a :class:`MegatronBackend` (arguments as the backend's). It adds nothing to
-    the loop but the backend it builds and the run-level check below."""
+    the loop but the backend it builds, its declared capabilities and the run-level check below."""
+
+    supports_model_parallel = True  # TP x PP shards; no suffix chunks, prefix states are TP shards
 
     def __init__(self, model: ModelConfig, actor: ActorConfig, algorithm: AlgorithmConfig, seed: int = 1,
                  layout: Optional[ParallelLayout] = None, rank: int = 0):

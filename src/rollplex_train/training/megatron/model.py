@@ -222,6 +222,6 @@ def causal_padding_mask(attention_mask: torch.Tensor) -> torch.Tensor:
         attention_mask: (B, S) int, 1 on real tokens (left or right padding).
     """
     s = attention_mask.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
     allowed = causal.unsqueeze(0) & attention_mask.bool().unsqueeze(1)
     return ~allowed.unsqueeze(1)

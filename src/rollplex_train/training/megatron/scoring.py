@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from rollplex_train.data.types import PromptSample, VisionInputs
+from rollplex_train.device import model_device
 from rollplex_train.models.prefix import _GRAPH_IDS, PrefixState, _SavedBytes
 from rollplex_train.models.sequence import build_full_sequences, pad_prompts, prompt_columns, rope_positions
 from rollplex_train.training.megatron.model import MegatronVLM, causal_padding_mask
@@ -47,7 +48,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_s
     logits = logits.float()
     shard = logits.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * shard
-    columns = torch.arange(start, start + shard)
+    columns = torch.arange(start, start + shard, device=logits.device)
     if start + shard > vocab_size:
         logits = logits.masked_fill(columns >= vocab_size, torch.finfo(logits.dtype).min)
     top = logits.detach().max(-1).values
@@ -79,14 +80,19 @@ def full_logprobs(model: MegatronVLM, prompts: list[PromptSample], group_index: 
     """Per-token log-probs of N responses from one full-sequence forward (``models/sequence.py``'s
     ``response_logprobs`` on Megatron).
 
+    The inputs may sit on the host or on the model's device; the result is on the model's device.
+
     Returns:
         logprobs (N, R) float32 and optional entropy (N, R) float32, zero outside the mask.
     """
+    dev = model_device(model)
     ids, mask, plen, vision = build_full_sequences(prompts, group_index, response_ids, response_mask, pad_id)
-    prompt_mask = torch.arange(ids.shape[1]).view(1, -1) < plen.view(-1, 1)  # response tokens are text
+    ids, mask, plen, vision = ids.to(dev), mask.to(dev), plen.to(dev), vision.to(dev)
+    response_ids, response_mask = response_ids.to(dev), response_mask.to(dev)
+    prompt_mask = torch.arange(ids.shape[1], device=dev).view(1, -1) < plen.view(-1, 1)  # response tokens are text
     hidden = forward_hidden(model, ids, mask, vision, vision_grad, prompt_mask)  # (N, L, H)
     r = response_ids.shape[1]
-    idx = (plen.view(-1, 1) - 1 + torch.arange(r).view(1, -1)).clamp(max=hidden.shape[1] - 1)
+    idx = (plen.view(-1, 1) - 1 + torch.arange(r, device=dev).view(1, -1)).clamp(max=hidden.shape[1] - 1)
     h_sel = hidden.gather(1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
     return _head(model, h_sel, response_ids, response_mask, temperature, with_entropy)
 
@@ -94,7 +100,10 @@ def full_logprobs(model: MegatronVLM, prompts: list[PromptSample], group_index: 
 def forward_hidden(model: MegatronVLM, ids: torch.Tensor, mask: torch.Tensor, vision: VisionInputs,
                    vision_grad: bool = True, vision_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(B, S, H) final hidden states of padded sequences (left or right padding); ``vision_mask``:
-    the tokens that may be vision slots (None: all)."""
+    the tokens that may be vision slots (None: all). Inputs on the host are moved to the model's device."""
+    dev = model_device(model)
+    ids, mask, vision = ids.to(dev), mask.to(dev), vision.to(dev)
+    vision_mask = None if vision_mask is None else vision_mask.to(dev)
     position_ids, _ = rope_positions(model, ids, mask, vision, vision_mask)
     decoder_input = model.embed(ids, vision, vision_grad, vision_mask)
     return model.decode(decoder_input, position_ids, causal_padding_mask(mask)).transpose(0, 1)
@@ -116,9 +125,11 @@ def encode_prefix(model: MegatronVLM, prompts: list[PromptSample], *, version, w
 
     Args: as ``models/prefix.py::encode_prefix``.
     """
+    dev = model_device(model)
     ids, mask = pad_prompts(prompts, model.config.get_text_config().pad_token_id or 0, side=padding)
     width = ids.shape[1]
-    vision = VisionInputs.concat([p.vision for p in prompts])
+    ids, mask = ids.to(dev), mask.to(dev)
+    vision = VisionInputs.concat([p.vision for p in prompts]).to(dev)
     ctx = model.language_model.kv_context
     counter = _SavedBytes(model)
     with torch.set_grad_enabled(with_grad), torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
@@ -154,29 +165,32 @@ def score_suffix(model: MegatronVLM, states: list[PrefixState], group_index: tor
     from a forward of tokens 0..R-2 at positions ``next_position + t``).
 
     Returns:
-        logprobs (N, R) float32 and optional entropy (N, R) float32, zero outside the mask.
+        logprobs (N, R) float32 and optional entropy (N, R) float32, zero outside the mask, on the
+        model's device (inputs on the host are moved there).
     """
+    dev = model_device(model)
+    group_index, response_ids, response_mask = group_index.to(dev), response_ids.to(dev), response_mask.to(dev)
     n, r = response_ids.shape
     rows = [states[g] for g in group_index.tolist()]
     h0 = torch.stack([s.last_hidden for s in rows]).unsqueeze(1)  # (N, 1, H)
     if r == 1:
         return _head(model, h0, response_ids, response_mask, temperature, with_entropy)
     width = max(s.prompt_length for s in states)
-    pad_len = torch.tensor([width - s.prompt_length for s in states])
+    pad_len = torch.tensor([width - s.prompt_length for s in states], device=dev)
 
     def stacked(per_state: list[torch.Tensor]) -> torch.Tensor:  # -> [width, N, Ng, Dh], left-padded
-        padded = [torch.nn.functional.pad(t, (0, 0, int(p), 0)) for t, p in zip(per_state, pad_len)]
+        padded = [torch.nn.functional.pad(t, (0, 0, width - s.prompt_length, 0)) for t, s in zip(per_state, states)]
         return torch.cat(padded, dim=0).index_select(0, group_index).permute(2, 0, 1, 3).contiguous()
 
     ctx = model.language_model.kv_context
     num_layers = len(states[0].keys)
     prefix = [(stacked([s.keys[l] for s in states]), stacked([s.values[l] for s in states]))
               for l in range(num_layers)]
-    prefix_real = torch.arange(width).view(1, -1) >= pad_len.index_select(0, group_index).view(-1, 1)  # (N, width)
-    causal = torch.ones(r - 1, r - 1, dtype=torch.bool).tril()
+    prefix_real = torch.arange(width, device=dev).view(1, -1) >= pad_len.index_select(0, group_index).view(-1, 1)  # (N, width)
+    causal = torch.ones(r - 1, r - 1, dtype=torch.bool, device=dev).tril()
     allowed = torch.cat([prefix_real.unsqueeze(1).expand(-1, r - 1, -1), causal.expand(n, -1, -1)], dim=2)
-    start = torch.tensor([s.next_position for s in rows]).view(-1, 1)
-    position_ids = (start + torch.arange(r - 1).view(1, -1)).unsqueeze(0).expand(3, -1, -1)
+    start = torch.tensor([s.next_position for s in rows], device=dev).view(-1, 1)
+    position_ids = (start + torch.arange(r - 1, device=dev).view(1, -1)).unsqueeze(0).expand(3, -1, -1)
     decoder_input = model.language_model.embedding.word_embeddings(response_ids[:, : r - 1]).transpose(0, 1)
     ctx.mode, ctx.prefix, ctx.mask = "extend", prefix, ~allowed.unsqueeze(1)
     try:
