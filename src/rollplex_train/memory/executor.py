@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from rollplex_train.memory import estimate as est
 from rollplex_train.memory.groups import PHASES
-from rollplex_train.memory.step_plan import StepPlan, plan_rows, row, run_plan
+from rollplex_train.memory.step_plan import StepPlan, budget_bytes, plan_rows, row, run_plan
 
 if TYPE_CHECKING:
     from rollplex_train.config import Config
@@ -69,6 +69,9 @@ class PhaseResidency:
         from rollplex_train.models.arch import load_hf_config
 
         step = run_plan(config, load_hf_config(config.model))
+        budget = budget_bytes(config)
+        if not step.short_bytes and step.executed_update_bytes() > budget:  # the optimizer step's groups come early
+            step.short_bytes, step.worst_phase = step.executed_update_bytes() - budget, "actor_update"
         if step.short_bytes:
             need = (step.short_bytes + int((config.memory.budget_gib or config.cluster.gpu_memory_gib) * est.GIB))
             text = (f"the residency plan needs at least {need / est.GIB:.4g} GiB per device in {step.worst_phase} "
@@ -80,10 +83,9 @@ class PhaseResidency:
         return cls(step)
 
     def resident(self, phase: str) -> dict[str, bool]:
-        """``{group: on the device}`` in ``phase`` for the groups the engines move. The optimizer
-        steps run inside the update, so ``actor_update`` holds what either phase holds."""
-        phases = ("actor_update", "optimizer_step") if phase == "actor_update" else (phase,)
-        return {g: any(self.step.plan[p].resident.get(g, 0) > 0 for p in phases) for g in self.moving}
+        """``{group: on the device}`` in ``phase`` for the groups the engines move
+        (``StepPlan.executed_items``: the optimizer steps run inside the update, with no boundary)."""
+        return {g: self.step.executed_items(phase, g) > 0 for g in self.moving}
 
 
 def enter_phase(workers, residency: PhaseResidency, phase: str, metrics: dict[str, float]) -> None:

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 STATE_ROWS = ("actor_weights", "master_weights", "optimizer_states", "ref_weights", "rollout_weights",
               "rollout_rebuilt", "grads")
 """Groups measured exactly in every phase."""
+UPDATE_PHASES = ("actor_update", "optimizer_step")
+"""The phases of one update call: no phase boundary between them (``executor.BOUNDARIES``)."""
 PREFIX_ROWS = ("old_prefix_kv", "ref_prefix_kv")
 """Groups measured as an upper bound where the decode window makes them."""
 
@@ -71,6 +73,26 @@ class StepPlan:
     def resident_bytes(self, phase: str, name: str) -> int:
         """Bytes of group ``name`` the plan puts on the device in ``phase``."""
         return self.plan.item_bytes.get(name, 0) * self.plan[phase].resident.get(name, 0)
+
+    def executed_items(self, phase: str, name: str) -> int:
+        """Items of group ``name`` on the device in ``phase`` as the run executes the plan. The run
+        moves groups at phase boundaries only and has none inside the update, so ``actor_update``
+        and ``optimizer_step`` hold the same: what the update phase holds, plus what the optimizer
+        step uses (brought in at the update's start); a group the plan prefetches during the
+        optimizer step for a later phase comes at the next boundary (``weight_sync``)."""
+        if phase not in UPDATE_PHASES:
+            return self.plan[phase].resident.get(name, 0)
+        held = self.plan["actor_update"].resident.get(name, 0)
+        if "optimizer_step" in self.group(name).consumers:
+            held = max(held, self.plan["optimizer_step"].resident.get(name, 0))
+        return held
+
+    def executed_update_bytes(self) -> int:
+        """Device bytes of the update as the run executes it (:meth:`executed_items`): the plan's
+        ``actor_update`` bytes and what the optimizer step's groups add at the update's start."""
+        extra = sum((self.executed_items("actor_update", g.name) - self.plan["actor_update"].resident.get(g.name, 0))
+                    * g.item_bytes for g in self.groups)
+        return self.plan["actor_update"].device_bytes + extra
 
 
 def budget_bytes(config: "Config") -> int:
@@ -129,7 +151,7 @@ def plan_rows(step: StepPlan) -> dict[str, tuple[float, str]]:
     for phase in PHASES:
         for name in STATE_ROWS:
             if name in names and names[name].item_bytes:
-                rows[row(phase, name)] = (step.resident_bytes(phase, name) / est.GIB, "exact")
+                rows[row(phase, name)] = (step.executed_items(phase, name) * names[name].item_bytes / est.GIB, "exact")
         for name in PREFIX_ROWS:
             g = names.get(name)
             if g is not None and not made_and_used_in_one_phase(g) and _alive(g, phase):
