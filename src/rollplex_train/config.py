@@ -372,9 +372,10 @@ class MemoryConfig:
     """Activations as fused kernels keep them (Megatron/TransformerEngine RMSNorm, RoPE, attention);
     False: as eager transformers modules do (the torch engine, HF-model FSDP), which keep more."""
     offload_optimizer: bool = False
-    """Move the actor's optimizer states to host memory while the step decodes and scores, and
-    prefetch them back right before the actor update (frees device memory for the rollout's KV cache
-    and the prefix states of the decode window). On CPU the same mechanism runs and only moves bytes."""
+    """Keep the actor's optimizer states in host memory whenever the step does not step the
+    optimizer: the residency plan moves them off the device after the update and back for the next
+    one, even where the device could hold them (``memory/executor.py``). Without it the plan moves
+    them only when the budget needs it. On CPU the same mechanism runs and only moves bytes."""
 
     def __post_init__(self) -> None:
         if self.budget_gib is not None:
@@ -382,6 +383,9 @@ class MemoryConfig:
         _check_choice("memory", "train_strategy", self.train_strategy, ("megatron", "fsdp"))
         _check_choice("memory", "activation_recompute", self.activation_recompute, ("none", "selective", "full"))
         _check_positive("memory", "reserved_gib", self.reserved_gib, allow_zero=True)
+        if self.offload_optimizer and not self.pinned_host_offload:
+            raise ValueError("memory.offload_optimizer=true moves the optimizer states to host memory, which "
+                             "memory.pinned_host_offload=false forbids: set one of them the other way")
 
 
 @dataclass(kw_only=True)

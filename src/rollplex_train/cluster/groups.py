@@ -178,6 +178,11 @@ class TrainGroup:
     def prefetch_states(self, parts: tuple[str, ...]) -> Pending:
         return self._all("prefetch_states", parts)
 
+    def enter_phase(self, phase: str, resident: dict[str, bool]) -> Pending:
+        """Every rank starts ``phase`` of the residency plan (``TrainEngine.enter_phase``); result:
+        the ranks' reports, rank order."""
+        return self._all("enter_phase", phase, resident, combine=list)
+
     # ---- weights ------------------------------------------------------------------------------
     def export_shared_weights(self) -> Pending:
         """Per rank, the handles of the rollout tensors of its device (rank order); in one process
@@ -331,6 +336,11 @@ class RolloutGroup:
         following = [f for e in range(len(self.handles))
                      for f in self._follow(e, method, per_rank=lambda k, e=e: args_of(devices(e)[k]))]
         return Pending(futures + following).result()[:len(futures)]
+
+    def enter_phase(self, phase: str, resident: dict[str, bool]) -> Pending:
+        """Every rollout worker (followers included) starts ``phase`` of the residency plan
+        (``RolloutWorker.enter_phase``); result: their reports."""
+        return Pending([self.ex.call(h, "enter_phase", phase, resident) for h in self.all_handles], list)
 
     def map_shared_weights(self, payloads: list[bytes]) -> list[int]:
         """Each rollout worker maps the weights of the train rank on its device (rank 0 of engine

@@ -219,6 +219,21 @@ class RolloutWorker:
     def weights_version(self) -> int:
         return self.engine.weights_version
 
+    def enter_phase(self, phase: str, resident: dict[str, bool]) -> dict:
+        """Start ``phase`` of the residency plan (``memory/executor.py``): the engine's weights
+        (``rollout_weights``) released or resumed as ``resident`` says; the groups' bytes before
+        (``closing``) and after (``rows``) the moves, and the bytes moved."""
+        def run() -> dict:
+            closing, off, on = self.engine.memory_bytes(), 0, 0
+            if "rollout_weights" in resident:
+                if resident["rollout_weights"]:
+                    on = self.engine.resume_memory(("weights",)) or 0
+                else:
+                    off = self.engine.release_memory(("weights",)) or 0
+            return {"closing": closing, "rows": self.engine.memory_bytes(), "offloaded": off, "prefetched": on}
+
+        return self.compute.run(run)
+
     def set_threads(self, threads: int) -> None:
         """This worker's share of the cores from the next decode step on (this actor runs two calls
         at once, so the planner can re-share while ``generate`` runs)."""
@@ -302,6 +317,9 @@ class TrainWorker:
 
     def prefetch_states(self, parts: tuple[str, ...]) -> int:
         return self.engine.prefetch_states(parts)
+
+    def enter_phase(self, phase: str, resident: dict[str, bool]) -> dict:
+        return self.engine.enter_phase(phase, resident)
 
     def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int,
                             indices: Optional[list[int]] = None, export: bool = False) -> PrefixResult:
