@@ -15,6 +15,7 @@ TINY_CKPT := $(ARTIFACTS)/checkpoints/tiny-qwen25vl
 SMALL_CKPT := $(ARTIFACTS)/checkpoints/small-qwen25vl
 TASKS := $(ARTIFACTS)/data/visual_tasks
 BENCH := $(ARTIFACTS)/data/bench
+FLAGSHIP := $(ARTIFACTS)/data/flagship
 EXPERIMENT ?= tiny_cpu
 
 # The lowest transformers pyproject.toml allows (the H200 machine's): the model-path tests run on it too,
@@ -35,7 +36,7 @@ GPU_WHEELS := build/gpu-wheels
 GPU_VENV := build/gpu-venv
 H200_TRANSFORMERS := 5.17.0
 
-.PHONY: install run test test-transformers-floor gpu-wheels gpu-dry-run assets assets-small assets-bench clean
+.PHONY: install run test test-transformers-floor gpu-wheels gpu-dry-run assets assets-small assets-bench assets-flagship clean
 
 $(VENV)/.installed: pyproject.toml constraints-cpu.txt
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -66,6 +67,12 @@ $(BENCH)/image/color_train.parquet: | install
 
 # the benchmark workloads (conf/experiment/bench_*.yaml): small checkpoint, tasks, image/video sets
 assets-bench: assets assets-small $(BENCH)/image/color_train.parquet
+
+$(FLAGSHIP)/train.parquet: | install
+	$(VPY) scripts/make_bench_sets.py --flagship --out $(FLAGSHIP)
+
+# conf/experiment/flagship_cpu.yaml (scripts/check_flagship.py): the tiny checkpoint, 58-token image/video prompts
+assets-flagship: assets $(FLAGSHIP)/train.parquet
 
 run: install assets
 	$(VENV)/bin/rollplex-train +experiment=$(EXPERIMENT)

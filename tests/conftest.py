@@ -190,6 +190,17 @@ def embedded_assets():
 
 
 @pytest.fixture(scope="session")
+def flagship_assets(embedded_assets):
+    """``make assets-flagship``: conf/experiment/flagship_cpu.yaml's image + video set (built once if missing)."""
+    from rollplex_train.data.bench_sets import write_flagship_set
+
+    manifest = ROOT / "artifacts" / "data" / "flagship" / "train.parquet"
+    if not manifest.is_file():
+        write_flagship_set(manifest.parent)
+    return manifest
+
+
+@pytest.fixture(scope="session")
 def run_cli():
     """``run_cli(out_dir, *overrides, experiment="tiny_cpu", env=None, timeout=600)``: the
     ``rollplex-train`` console script in a subprocess, writing into ``out_dir``."""

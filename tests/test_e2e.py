@@ -165,9 +165,11 @@ def test_schedules_give_the_same_training_result(embedded_assets, run_cli, tmp_p
         runs[schedule] = (read_metrics_jsonl(out / "metrics.jsonl"),
                           torch.load(out / "checkpoints" / f"global_step_{steps}" / "actor.pt", weights_only=True))
     serial, w_serial = runs["serial"]
+    # the residency plan (memory/executor.py): the Adam states leave the device after each update and come
+    # back for the next one (none exist before step 1's update: nothing to prefetch then)
     offloaded = [r["memory/offloaded_bytes"] for r in runs["rollplex+offload"][0]]
-    assert offloaded[0] == 0 and offloaded[1] > 0 and offloaded[1:] == [r["memory/prefetched_bytes"]
-                                                                        for r in runs["rollplex+offload"][0][1:]]
+    prefetched = [r["memory/prefetched_bytes"] for r in runs["rollplex+offload"][0]]
+    assert offloaded[0] > 0 and offloaded == [offloaded[0]] * 3 and prefetched == [0.0] + offloaded[1:]
     def rollouts(schedule: str, step: int) -> list[dict]:
         return [json.loads(line) for line in (tmp_path / schedule / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
 

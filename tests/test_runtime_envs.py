@@ -17,6 +17,7 @@ from rollplex_train.rollout.base import SamplingParams
 from rollplex_train.rollout.builtin import BuiltinRolloutEngine
 from rollplex_train.rollout.multiturn import TurnLoop
 from rollplex_train.runtime.envs import trajectory_row, turn_logprob_mismatch
+from rollplex_train.runtime.timeline import Timeline
 from rollplex_train.tracking.loggers import read_metrics_jsonl
 
 FROZENLAKE = dict(name="frozenlake", kwargs={"desc": ["SFG", "FHF", "FFF"], "is_slippery": False}, max_turns=3,
@@ -54,7 +55,7 @@ def test_trajectory_rows_score_every_turn_like_the_engine(embedded_assets):
 
 
 def test_an_env_run_refuses_what_it_cannot_honour():
-    from rollplex_train.config import Config, ModelConfig, TrainerConfig
+    from rollplex_train.config import Config, ModelConfig, ScheduleConfig, TrainerConfig
 
     quiet = TrainerConfig(val_freq=0, val_before_train=False)
     with pytest.raises(ValueError, match=r"^env.name='frozenlake': a trajectory's later frames .* model.shared_prefix=false"):
@@ -64,6 +65,12 @@ def test_an_env_run_refuses_what_it_cannot_honour():
     with pytest.raises(ValueError, match=r"env.context=window:2 drops observations"):
         Config(env=EnvConfig(**dict(FROZENLAKE, context="window:2")), trainer=quiet)
     assert Config(env=EnvConfig(**FROZENLAKE), trainer=quiet).env.name == "frozenlake"
+    # rollplex scores an env run's turns with its own prefix passes (runtime/env_window.py), not the shared-prefix ones
+    assert Config(env=EnvConfig(**FROZENLAKE), trainer=quiet, schedule=ScheduleConfig(name="rollplex")).schedule.name == "rollplex"
+    with pytest.raises(ValueError, match=r"^env.name='frozenlake': schedule.prefill_from_actor=true hands"):
+        Config(env=EnvConfig(**FROZENLAKE), trainer=quiet, schedule=ScheduleConfig(name="rollplex", prefill_from_actor="true"))
+    with pytest.raises(ValueError, match=r"^schedule.name=rollplex moves prefix work into decode"):
+        Config(schedule=ScheduleConfig(name="rollplex"))
 
 
 VOLATILE = ("timing_s/", "perf/", "sharing/", "memory/")
@@ -95,6 +102,35 @@ def test_env_run_dp2_trains_like_dp1(embedded_assets, run_cli, tmp_path):
               for d in ("dp1", "dp2"))
     for name, value in w1.items():
         assert (w2[name] - value).abs().max() <= 1e-5, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_env_run_under_rollplex_samples_what_serial_does(embedded_assets, run_cli, tmp_path):
+    """Same seeds: the same tokens and scores under serial (DP=1, in process) and rollplex (DP=2,
+    Ray) (rollout dumps, 2 steps); under rollplex the old-policy log-probs of the rows outside the
+    first mini-batch come from the turn-by-turn scoring inside the rollout, on the DP rank of their
+    seed (the reference's of every row), and equal the engine's on every turn within 1e-5."""
+    pytest.importorskip("gymnasium")
+    common = ["trainer.total_steps=2", "trainer.loggers=[jsonl]", "data.rollout_batch_size=2", "rollout.n=4",
+              "actor.ppo_mini_batch_size=1", "actor.micro_batch_size=4", "trainer.rollout_data_dir=dumps",
+              "trainer.trace_steps=[2]", "algorithm.use_kl_loss=true", "algorithm.kl_coef=0.01"]
+    runs = {"serial": ["cluster.executor=inprocess", "cluster.threads_per_device=2"],
+            "rollplex": ["cluster.devices_per_node=2", "cluster.threads_per_device=1"]}
+    for schedule, where in runs.items():
+        proc = run_cli(tmp_path / schedule, *common, *where, f"schedule={schedule}", experiment="tiny_cpu_frozenlake")
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    for step in (1, 2):
+        serial, planned = ((tmp_path / s / "dumps" / f"{step}.jsonl").read_text() for s in ("serial", "rollplex"))
+        assert planned == serial and serial.count("token_ids") == 8
+    for row in read_metrics_jsonl(tmp_path / "rollplex" / "metrics.jsonl"):
+        diffs = {k: v for k, v in row.items() if k.startswith("env/logprob_diff_max/")}
+        assert len(diffs) >= 2 and max(diffs.values()) <= 1e-5, diffs
+        assert row["envs/turn_scoring_calls"] >= 6 and row["envs/turn_scoring_tokens"] > 0  # turns x 2 ranks
+        assert 0.0 <= row["envs/turn_scoring_hidden_frac"] <= 1.0
+    trace = Timeline.from_chrome_trace(tmp_path / "rollplex" / "traces" / "step_2.json")
+    names = {s.name for s in trace.spans if s.row == "train"}
+    assert {"score(turn0)", "score(turn1)", "score(last responses)"} <= names
 
 
 @pytest.mark.slow

@@ -372,9 +372,10 @@ class MemoryConfig:
     """Activations as fused kernels keep them (Megatron/TransformerEngine RMSNorm, RoPE, attention);
     False: as eager transformers modules do (the torch engine, HF-model FSDP), which keep more."""
     offload_optimizer: bool = False
-    """Move the actor's optimizer states to host memory while the step decodes and scores, and
-    prefetch them back right before the actor update (frees device memory for the rollout's KV cache
-    and the prefix states of the decode window). On CPU the same mechanism runs and only moves bytes."""
+    """Keep the actor's optimizer states in host memory whenever the step does not step the
+    optimizer: the residency plan moves them off the device after the update and back for the next
+    one, even where the device could hold them (``memory/executor.py``). Without it the plan moves
+    them only when the budget needs it. On CPU the same mechanism runs and only moves bytes."""
 
     def __post_init__(self) -> None:
         if self.budget_gib is not None:
@@ -382,6 +383,9 @@ class MemoryConfig:
         _check_choice("memory", "train_strategy", self.train_strategy, ("megatron", "fsdp"))
         _check_choice("memory", "activation_recompute", self.activation_recompute, ("none", "selective", "full"))
         _check_positive("memory", "reserved_gib", self.reserved_gib, allow_zero=True)
+        if self.offload_optimizer and not self.pinned_host_offload:
+            raise ValueError("memory.offload_optimizer=true moves the optimizer states to host memory, which "
+                             "memory.pinned_host_offload=false forbids: set one of them the other way")
 
 
 @dataclass(kw_only=True)
@@ -587,7 +591,7 @@ class Config:
         from rollplex_train.parallel import ParallelLayout
 
         ParallelLayout.from_config(self)  # degrees that do not fit the devices fail here, naming the keys
-        if self.schedule.name == "rollplex" and not self.model.shared_prefix:
+        if self.schedule.name == "rollplex" and not self.model.shared_prefix and not self.env.name:
             raise ValueError("schedule.name=rollplex moves prefix work into decode: it needs model.shared_prefix=true")
         if self.env.name:
             self._check_env_run()
@@ -604,7 +608,11 @@ class Config:
         if self.model.shared_prefix:
             raise ValueError(f"{name}: a trajectory's later frames sit in its training row after its first turn; "
                              "the shared-prefix passes score responses as text: set model.shared_prefix=false "
-                             "(and schedule.name=serial)")
+                             "(schedule.name=rollplex scores an environment run's turns with its own prefix "
+                             "passes, runtime/env_window.py)")
+        if self.schedule.name == "rollplex" and self.schedule.prefill_from_actor == "true":
+            raise ValueError(f"{name}: schedule.prefill_from_actor=true hands single-turn prompt prefixes to the "
+                             "rollout; an environment run's turns are prefilled by the engine: set it to auto or false")
         if self.actor.backend != "torch":
             raise ValueError(f"{name}: environment runs train with actor.backend=torch; got {self.actor.backend!r}")
         if self.rollout.tensor_parallel_size != 1:

@@ -70,7 +70,7 @@ def resolve(cfg: Config) -> Config:
     if r.tensor_parallel_size > 1 and not _can(rollout, "supports_tensor_parallel"):
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: the {r.name} rollout engine "
                          "runs on one device")
-    handover = (sch.name == "rollplex" and _can(rollout, "accepts_prefix_states")
+    handover = (sch.name == "rollplex" and not cfg.env.name and _can(rollout, "accepts_prefix_states")
                 and _can(train, "exports_prefix_states") and sch.prefix_memory_gib != 0)
     if sch.prefill_from_actor == "true" and not handover:
         raise ValueError(f"schedule.prefill_from_actor=true needs schedule.name=rollplex, a rollout engine that "

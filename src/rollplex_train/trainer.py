@@ -27,6 +27,7 @@ from rollplex_train.training.base import TRAIN_ENGINES
 from rollplex_train.config import Config
 from rollplex_train.data.dataset import PromptDataset
 from rollplex_train.data.loader import PromptLoader
+from rollplex_train.memory.executor import PhaseResidency
 from rollplex_train.models.loading import check_checkpoint_dir, load_tokenizer, load_vision_spec
 from rollplex_train.resolve import resolve
 from rollplex_train.tracking.checkpoint import CheckpointManager, load_json, save_json
@@ -68,6 +69,7 @@ class Trainer:
             raise ValueError("cluster.device=cuda: no GPU is visible on this machine "
                              "(torch.cuda.device_count() == 0); use cluster.device=cpu for a CPU run")
         check_checkpoint_dir(cfg.model.path)
+        PhaseResidency.from_config(cfg)  # a memory plan the run cannot follow fails here (the schedule makes its own)
         self.tokenizer = load_tokenizer(cfg.model.path)
         merge = load_vision_spec(cfg.model.path).merge_size
         self.train_set = PromptDataset(cfg.data, self.tokenizer, cfg.data.train_files, "train", merge_size=merge)

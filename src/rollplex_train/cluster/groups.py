@@ -148,6 +148,12 @@ class TrainGroup:
         return self._on_owners(step.owned(list(tokens)), "score_suffix_chunks", lambda k, dp, mine, leader: (
             step.refs[dp], role, dict(zip(step.local(dp, mine), (tokens[g] for g in mine))), width, version, final))
 
+    def score_turns(self, dp: int, items: list, roles: list[str], version: int, temperature: float,
+                    final: bool = False):
+        """Environment trajectories scored turn by turn on DP rank ``dp`` (``TrainWorker.score_turns``;
+        the torch backend: one rank per DP index). Returns its future (a ``TurnScoreResult``)."""
+        return self.ex.call(self.handles[self.leaders[dp]], "score_turns", items, roles, version, temperature, final)
+
     def _on_owners(self, owned: list[tuple[int, list[int]]], method: str, args_of, combine=None) -> Pending:
         """Call ``method(*args_of(k, dp, its groups, is_leader))`` on every rank of the ``k``-th DP
         index of ``owned`` (``[(dp, global prompt indices)]``, e.g. ``StepPrompts.owned``; the DP
@@ -171,6 +177,11 @@ class TrainGroup:
 
     def prefetch_states(self, parts: tuple[str, ...]) -> Pending:
         return self._all("prefetch_states", parts)
+
+    def enter_phase(self, phase: str, resident: dict[str, bool]) -> Pending:
+        """Every rank starts ``phase`` of the residency plan (``TrainEngine.enter_phase``); result:
+        the ranks' reports, rank order."""
+        return self._all("enter_phase", phase, resident, combine=list)
 
     # ---- weights ------------------------------------------------------------------------------
     def export_shared_weights(self) -> Pending:
@@ -293,6 +304,20 @@ class RolloutGroup:
                    for h, run in calls]
         return Pending(futures, lambda outs: [t for out in outs for t in out])
 
+    def rollout_envs_stream(self, env_cfg, model_path: str, seeds: list[int], params, version: Optional[int],
+                            uid_prefix: str) -> ItemStream:
+        """:meth:`rollout_envs` streamed: items ``(engine index, list of TurnInput)`` as each engine's
+        turns start and, last per engine, ``(engine index, its trajectories)`` (seed-major over the
+        engines' runs when put back in engine order)."""
+        share = -(-len(seeds) // len(self.handles))
+        runs = [(e, seeds[e * share:(e + 1) * share]) for e in range(len(self.handles))]
+        runs = [(e, run) for e, run in runs if run]
+        stream = ItemStream(len(runs))
+        for e, run in runs:
+            self.ex.stream(self.handles[e], "rollout_envs_stream", (env_cfg, model_path, run, params, version,
+                                                                    uid_prefix), stream, tag=e)
+        return stream
+
     def set_threads(self, threads: int) -> Pending:
         """A share change that reaches engines while they decode (applied at their next step)."""
         return Pending([self.ex.call(h, "set_threads", threads, concurrent=True) for h in self.all_handles])
@@ -311,6 +336,11 @@ class RolloutGroup:
         following = [f for e in range(len(self.handles))
                      for f in self._follow(e, method, per_rank=lambda k, e=e: args_of(devices(e)[k]))]
         return Pending(futures + following).result()[:len(futures)]
+
+    def enter_phase(self, phase: str, resident: dict[str, bool]) -> Pending:
+        """Every rollout worker (followers included) starts ``phase`` of the residency plan
+        (``RolloutWorker.enter_phase``); result: their reports."""
+        return Pending([self.ex.call(h, "enter_phase", phase, resident) for h in self.all_handles], list)
 
     def map_shared_weights(self, payloads: list[bytes]) -> list[int]:
         """Each rollout worker maps the weights of the train rank on its device (rank 0 of engine

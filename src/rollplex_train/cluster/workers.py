@@ -174,12 +174,23 @@ class RolloutWorker:
                      weights_version: Optional[int], uid_prefix: str) -> list:
         """``params.n`` environment trajectories per seed on this engine (``rollout/multiturn.TurnLoop``,
         built once per ``env`` config): seed-major ``rollout.trajectory.Trajectory`` records."""
+        return self.compute.run(self._loop(env_cfg, model_path).rollout, seeds, params, weights_version, uid_prefix)
+
+    def _loop(self, env_cfg, model_path: str):
+        """The ``TurnLoop`` of ``env_cfg`` on this engine, built once per config."""
         if getattr(self, "_turn_loop_key", None) != (env_cfg, model_path):
             from rollplex_train.rollout.multiturn import TurnLoop
 
             self._turn_loop = TurnLoop.from_config(self.engine, model_path, env_cfg)
             self._turn_loop_key = (env_cfg, model_path)
-        return self.compute.run(self._turn_loop.rollout, seeds, params, weights_version, uid_prefix)
+        return self._turn_loop
+
+    def rollout_envs_stream(self, env_cfg, model_path: str, seeds: list[int], params: SamplingParams,
+                            weights_version: Optional[int], uid_prefix: str):
+        """Ray streaming generator of :meth:`rollout_envs`: each turn's ``TurnInput`` list as the turn
+        starts, then the trajectories (``TurnLoop.rollout_stream``)."""
+        loop = self._loop(env_cfg, model_path)
+        yield from self.compute.iterate(lambda: loop.rollout_stream(seeds, params, weights_version, uid_prefix))
 
     def update_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """The pickled path (``sharing.enabled=false``): copy the received state dict in."""
@@ -207,6 +218,21 @@ class RolloutWorker:
 
     def weights_version(self) -> int:
         return self.engine.weights_version
+
+    def enter_phase(self, phase: str, resident: dict[str, bool]) -> dict:
+        """Start ``phase`` of the residency plan (``memory/executor.py``): the engine's weights
+        (``rollout_weights``) released or resumed as ``resident`` says; the groups' bytes before
+        (``closing``) and after (``rows``) the moves, and the bytes moved."""
+        def run() -> dict:
+            closing, off, on = self.engine.memory_bytes(), 0, 0
+            if "rollout_weights" in resident:
+                if resident["rollout_weights"]:
+                    on = self.engine.resume_memory(("weights",)) or 0
+                else:
+                    off = self.engine.release_memory(("weights",)) or 0
+            return {"closing": closing, "rows": self.engine.memory_bytes(), "offloaded": off, "prefetched": on}
+
+        return self.compute.run(run)
 
     def set_threads(self, threads: int) -> None:
         """This worker's share of the cores from the next decode step on (this actor runs two calls
@@ -292,6 +318,9 @@ class TrainWorker:
     def prefetch_states(self, parts: tuple[str, ...]) -> int:
         return self.engine.prefetch_states(parts)
 
+    def enter_phase(self, phase: str, resident: dict[str, bool]) -> dict:
+        return self.engine.enter_phase(phase, resident)
+
     def precompute_prefixes(self, prompts: list[PromptSample], roles: list[str], weights_version: int,
                             indices: Optional[list[int]] = None, export: bool = False) -> PrefixResult:
         return self.engine.precompute_prefixes(resolve(prompts, indices), roles, weights_version, export)
@@ -300,6 +329,22 @@ class TrainWorker:
                             weights_version: int, final: bool = False) -> ChunkResult:
         """``tokens``: position in ``prompts`` (this rank's prompts, by reference) -> (n, t) tokens."""
         return self.engine.score_suffix_chunks(resolve(prompts), role, tokens, width, weights_version, final)
+
+    def score_turns(self, items: list, roles: list[str], weights_version: int, temperature: float,
+                    final: bool = False):
+        """Score environment trajectories turn by turn (``training/turn_store.TurnStore.extend``:
+        arguments, result and errors) under the rollout's ``weights_version``.
+
+        Raises:
+            StaleWeightsError: ``weights_version`` is not the actor's.
+        """
+        from rollplex_train.training.turn_store import TurnStore
+        from rollplex_train.versioning import check_version
+
+        check_version(weights_version, self.engine.weights_version, "turn scoring", "the actor")
+        if getattr(self, "turns", None) is None:
+            self.turns = TurnStore({"actor": self.engine.actor, "ref": self.engine.ref}, self.engine.scorer.compute)
+        return self.turns.extend(items, roles, temperature, final)
 
     def set_threads(self, threads: int) -> None:
         """This worker's share of the cores for the coming phase."""

@@ -1,4 +1,5 @@
-"""The benchmark workloads' data: geometry3k-like image prompts and embodied-like video prompts.
+"""The benchmark workloads' data: geometry3k-like image prompts and embodied-like video prompts,
+and the flagship miniature's (``write_flagship_set``).
 
 Three workloads share the small checkpoint (``make assets-small``), G = 8 and the KL to a
 reference (``conf/experiment/bench_*.yaml``):
@@ -65,3 +66,37 @@ def write_bench_sets(out: str | Path, num_rows: int = 16) -> dict[str, Path]:
         num_frames=VIDEO_FRAMES, video_fps=VIDEO_FPS))["direction_train"]
     logger.info("bench sets written: %s, %s", image, video)
     return {"image": image, "video": video}
+
+
+FLAGSHIP_IMAGE_SIZE, FLAGSHIP_VIDEO_SIZE, FLAGSHIP_FRAMES, FLAGSHIP_FPS = 112, 56, 8, 4
+"""The flagship miniature's media: 112x112 images (8x8 patches merged 2x2: 16 vision tokens) and
+8-frame 56x56 videos at 4 fps (grid t=4, h=w=4: 16 vision tokens)."""
+FLAGSHIP_IMAGE_PROBLEM = "<image>What colour does the shape have? Options: red, green, blue, yellow."
+"""The colour question reworded to the direction question's 20 text tokens (tiny tokenizer)."""
+
+
+def write_flagship_set(out: str | Path, num_rows: int = 16) -> Path:
+    """Write ``conf/experiment/flagship_cpu.yaml``'s data under ``out``: colour images and direction
+    videos interleaved, every prompt the same length (16 vision tokens, the same text length; 58
+    tokens with the tiny checkpoint's template), so that the memory plan's sizes (``data.max_prompt_length``
+    for every prompt) are the run's own.
+
+    Returns:
+        the ``train.parquet`` manifest (``num_rows`` of each task).
+
+    Raises:
+        ValueError: ``num_rows`` < 1.
+    """
+    if num_rows < 1:
+        raise ValueError(f"num_rows={num_rows}: expected >= 1")
+    out = Path(out)
+    spec = VisualTaskSpec(num_train=num_rows, num_val=0, tasks=("color", "direction"), color_size=FLAGSHIP_IMAGE_SIZE,
+                          direction_size=FLAGSHIP_VIDEO_SIZE, num_frames=FLAGSHIP_FRAMES, video_fps=FLAGSHIP_FPS)
+    manifest = generate_visual_tasks(out, spec)["train"]
+    rows = pq.read_table(manifest).to_pylist()
+    for row in rows:
+        if row["task"] == "color":
+            row["problem"] = FLAGSHIP_IMAGE_PROBLEM
+    write_manifest(manifest, rows)
+    logger.info("flagship set written: %s", manifest)
+    return manifest

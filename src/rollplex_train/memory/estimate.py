@@ -189,13 +189,18 @@ def logits_bytes_per_token(d: TransformerDims, tp: int, elem_bytes: int = BF16) 
 
 
 def training_state_bytes(num_params: int, *, strategy: str, tp: int, pp: int, dp: int, distributed_optimizer: bool,
-                         largest_layer_params: int = 0, param_bytes: int = BF16) -> dict[str, int]:
+                         largest_layer_params: int = 0, param_bytes: int = BF16, rank_params: int | None = None,
+                         rank_trainable: int | None = None) -> dict[str, int]:
     """Per-GPU bytes of the actor's training states: ``weights`` (bf16), ``grads``, ``master`` (fp32
     copy), ``optimizer`` (Adam m and v, fp32). With ``param_bytes=4`` (fp32 training, the CPU run)
     the weights are their own master copy: ``master`` is 0 and ``weights`` 4 bytes/param.
 
     - ``megatron``: weights 2P/(t*p), fp32 main grads 4P/(t*p); master 4P and Adam 8P divided by
-      t*p, and by d as well with the distributed optimizer (Megatron dist_optimizer.md).
+      t*p, and by d as well with the distributed optimizer (Megatron dist_optimizer.md). Given
+      ``rank_params`` (parameters of the largest model-parallel rank, as its layout holds them:
+      replicated tensors whole, padded vocabulary) and ``rank_trainable`` (of those, trained) the
+      weights are ``param_bytes * rank_params`` and the grads, master and Adam states count
+      ``rank_trainable`` instead of P/(t*p).
     - ``fsdp`` (ZeRO-3): master 4P, grads 4P and Adam 8P all divided by N = t*p*d; the bf16 weights
       are the all-gathered units alive at a time: the current and the prefetched one,
       ``2 * 2 * largest_layer_params / t``.
@@ -206,14 +211,33 @@ def training_state_bytes(num_params: int, *, strategy: str, tp: int, pp: int, dp
     mp = tp * pp
     master = 0 if param_bytes == FP32 else FP32
     if strategy == "megatron":
-        shard = mp * dp if distributed_optimizer else mp
-        return {"weights": param_bytes * num_params // mp, "grads": FP32 * num_params // mp,
-                "master": master * num_params // shard, "optimizer": 2 * FP32 * num_params // shard}
+        held = num_params // mp if rank_params is None else rank_params
+        trained = num_params // mp if rank_trainable is None else rank_trainable
+        shard = dp if distributed_optimizer else 1
+        return {"weights": param_bytes * held, "grads": FP32 * trained,
+                "master": master * trained // shard, "optimizer": 2 * FP32 * trained // shard}
     if strategy == "fsdp":
         n = mp * dp
         return {"weights": 2 * param_bytes * largest_layer_params // tp, "grads": FP32 * num_params // n,
                 "master": max(master, param_bytes) * num_params // n, "optimizer": 2 * FP32 * num_params // n}
     raise ValueError(f"memory.train_strategy={strategy!r}: expected one of {list(STRATEGIES)}")
+
+
+def rollout_kv_tokens(prompts: int, n: int, prompt_width: int, response_tokens: int, *, shared_prompt: bool,
+                      batch_prompts: int) -> int:
+    """Tokens of KV cache one rollout engine holds at its peak while it decodes ``prompts`` prompts
+    x ``n`` samples, prompts left-padded to ``prompt_width`` tokens, responses of ``response_tokens``.
+
+    The engine decodes at most ``batch_prompts`` prompts together (the built-in engine: chunks of
+    ``rollout.max_batch_size // n`` prompts, ``rollout/builtin.py``), so the peak is one chunk's.
+    ``shared_prompt``: one copy of a prompt's KV for its n samples (SGLang's radix cache; the
+    built-in engine's ``rollout.share_prompt_kv``, ``rollout/shared_prefix.py``):
+    ``P * W + P * n * R``; else the prompt's cache is repeated n times: ``P * n * (W + R)``.
+    """
+    p = max(1, min(prompts, batch_prompts))
+    if shared_prompt:
+        return p * prompt_width + p * n * response_tokens
+    return p * n * (prompt_width + response_tokens)
 
 
 @dataclass(frozen=True)
@@ -225,7 +249,8 @@ class BatchShape:
             (``data.max_prompt_length``, vision tokens included); response_tokens:
             ``rollout.max_new_tokens``; vision_patches: vision-tower tokens per prompt (before the
             2x2 merge); mini_batch_prompts: prompts per optimizer step; micro_groups: groups per
-            forward/backward (shared prefix: micro-batches hold whole groups).
+            forward/backward (shared prefix: micro-batches hold whole groups). prompt_width: the
+            longest prompt, the width a rollout engine left-pads its prompts' KV to (0: ``prompt_tokens``).
     """
 
     prompts: int
@@ -235,10 +260,16 @@ class BatchShape:
     vision_patches: int
     mini_batch_prompts: int
     micro_groups: int
+    prompt_width: int = 0
 
     @property
     def vision_tokens(self) -> int:
         return self.vision_patches // 4
+
+    @property
+    def padded_prompt_tokens(self) -> int:
+        """Tokens of a prompt as a rollout engine holds it (left-padded to the longest)."""
+        return self.prompt_width or self.prompt_tokens
 
 
 def vision_patches_per_prompt(cfg: "Config", hf_config: Any) -> int:

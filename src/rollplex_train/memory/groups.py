@@ -20,6 +20,7 @@ tasks run inside this decode window), ``old_log_prob``, ``ref_log_prob``, ``acto
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -84,8 +85,84 @@ def rollout_shares_actor_weights(cfg: "Config") -> bool:
             and ParallelLayout.from_config(cfg).train_pp == 1)
 
 
-def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorGroup]:
+def rank_parameters(cfg: "Config", hf_config: Any) -> tuple[int, int]:
+    """``(parameters, trained parameters)`` of the largest training model-parallel rank, as the
+    configured backend lays them out: ``actor.backend=megatron`` holds the ``megatron`` layout of
+    ``models/megatron_convert.py`` (its vocabulary padding, replicated norms and whatever it does with
+    the vision tower), the torch backend the whole model. Trained: without the vision tower when
+    ``model.freeze_vision_tower``."""
+    from rollplex_train.models.arch import parameter_shapes
+    from rollplex_train.models.layouts import Dims
+
+    shapes = parameter_shapes(hf_config)
+    frozen = cfg.model.freeze_vision_tower
+    lay = ParallelLayout.from_config(cfg)
+    if cfg.actor.backend == "megatron":
+        from rollplex_train.models.megatron_convert import is_language_model, megatron_layout
+        from rollplex_train.sharing.plan import megatron_vocab_divisor
+
+        vocab = est.text_dims(hf_config).vocab
+        layout = megatron_layout(shapes, Dims.from_hf_config(hf_config), lay.train_tp,
+                                 megatron_vocab_divisor(vocab, lay.train_tp))
+        counts = [(sum(s.numel for s in rank.values()),
+                   sum(s.numel for s in rank.values() if not frozen or is_language_model(s.blocks[0].source)))
+                  for rank in layout.ranks]
+        return max(counts)
+    total = sum(math.prod(s) for s in shapes.values())
+    vision = sum(math.prod(s) for n, s in shapes.items() if ".visual." in "." + n)
+    return total // (lay.train_tp * lay.train_pp), (total - (vision if frozen else 0)) // (lay.train_tp * lay.train_pp)
+
+
+def rollout_rank_bytes(cfg: "Config", hf_config: Any) -> int:
+    """Bytes of the largest rollout rank's own weights (a copy: sharing off), in the rollout
+    engine's layout (``sglang`` at r > 1 or for SGLang, else ``hf``)."""
+    from rollplex_train.models.arch import parameter_shapes
+    from rollplex_train.models.layouts import Dims, build_layout
+    from rollplex_train.sharing.report import ITEMSIZE, layouts_of
+
+    lay = ParallelLayout.from_config(cfg)
+    layout = build_layout(layouts_of(cfg)[1], lay.rollout_tp, parameter_shapes(hf_config), Dims.from_hf_config(hf_config))
+    return max(sum(s.numel for s in rank.values()) for rank in layout.ranks) * ITEMSIZE[cfg.model.dtype]
+
+
+def rollout_shares_prompt_kv(cfg: "Config") -> bool:
+    """Whether the rollout engine keeps one copy of a prompt's KV cache for its n samples: SGLang
+    (its radix cache matches the n requests' common prompt), the built-in engine with
+    ``rollout.share_prompt_kv`` (``rollout/shared_prefix.py``)."""
+    return cfg.rollout.name == "sglang" or cfg.rollout.share_prompt_kv
+
+
+def pinned_groups(cfg: "Config", shared: bool) -> frozenset[str]:
+    """Groups no engine moves to host memory (``residency.plan_residency(pinned=...)``): the actor's
+    weights when the rollout maps them (an offload would cut the rollout off) or under Megatron DDP
+    (its parameters live in DDP's buffers), the fp32 master weights (nothing offloads the distributed
+    optimizer's main parameters), the rebuilt rollout buffers (mapped by the rollout), the prefix
+    states (held whole until their consumer: no prefix streaming is built), the gradients (made and
+    used inside one update call) and the runtime reserve. What moves: the Adam states, the
+    reference weights, the actor's weights (torch backend, sharing off) and the rollout engine's
+    own weights (``release_memory(("weights",))``)."""
+    out = {"master_weights", "rollout_rebuilt", "old_prefix_kv", "ref_prefix_kv", "actor_prefix_acts", "grads",
+           "runtime_reserved"}
+    if shared or cfg.actor.backend == "megatron":
+        out.add("actor_weights")
+    return frozenset(out)
+
+
+def evicted_groups(cfg: "Config") -> frozenset[str]:
+    """Groups that leave the device after their last use of a step (``memory.offload_optimizer``:
+    the Adam states)."""
+    return frozenset({"optimizer_states"} if cfg.memory.offload_optimizer else ())
+
+
+def step_groups(cfg: "Config", hf_config: Any, layout_name: str, batch: Optional[est.BatchShape] = None,
+                shared: Optional[bool] = None) -> list[TensorGroup]:
     """The tensor groups of one step of ``cfg`` on one GPU, for ``layout_name`` in ``LAYOUTS``.
+
+    Args:
+        batch: the step's shape (None: the config's bounds, ``estimate.batch_shape``); a run passes
+            its step's own prompt lengths (``memory/executor.py``).
+        shared: whether the rollout maps the actor's weights (None: ``rollplex`` layout and
+            ``rollout_shares_actor_weights``; naive and serial keep a copy).
 
     Raises:
         ValueError: unknown layout name, or a layout/batch check of :mod:`estimate` fails.
@@ -93,22 +170,32 @@ def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorG
     if layout_name not in LAYOUTS:
         raise ValueError(f"layout {layout_name!r}: expected one of {list(LAYOUTS)}")
     mem = cfg.memory
-    lay, batch = ParallelLayout.from_config(cfg), est.batch_shape(cfg, hf_config)
+    lay = ParallelLayout.from_config(cfg)
+    batch = batch or est.batch_shape(cfg, hf_config)
     text, vision = est.text_dims(hf_config), est.vision_dims(hf_config)
     tp, pp, dp = lay.train_tp, lay.train_pp, lay.train_dp
     params, pbytes = est.total_parameters(hf_config), est.param_bytes_of(cfg)
     layer_params = est.llm_parameters(text) // text.layers  # ~ largest FSDP unit (embeddings excluded)
+    rank_params, rank_trainable = rank_parameters(cfg, hf_config)
     states = est.training_state_bytes(params, strategy=mem.train_strategy, tp=tp, pp=pp, dp=dp,
                                       distributed_optimizer=mem.distributed_optimizer,
-                                      largest_layer_params=layer_params, param_bytes=pbytes)
+                                      largest_layer_params=layer_params, param_bytes=pbytes,
+                                      rank_params=rank_params, rank_trainable=rank_trainable)
     rollplex = layout_name != "serial"  # naive colocation holds rollplex's prefix states, all resident
-    shared = layout_name == "rollplex" and rollout_shares_actor_weights(cfg)
+    if shared is None:
+        shared = layout_name == "rollplex" and rollout_shares_actor_weights(cfg)
     in_window = ("rollout_decode",) if rollplex else ()
     fsdp, fused = mem.train_strategy == "fsdp", mem.fused_kernels
 
     prompts_rank = est.per_rank(batch.prompts, dp)
+    prompts_engine = est.per_rank(batch.prompts, lay.rollout_dp)
+    shared_kv = rollout_shares_prompt_kv(cfg)
+    kv_tokens = est.rollout_kv_tokens(prompts_engine, batch.n, batch.padded_prompt_tokens, batch.response_tokens,
+                                      shared_prompt=shared_kv, batch_prompts=max(1, cfg.rollout.max_batch_size // batch.n))
+    kv_note = (f"{prompts_engine} prompts/engine x {batch.padded_prompt_tokens} tokens "
+               + ("once" if shared_kv else f"x {batch.n}") + f" + {prompts_engine * batch.n} responses x "
+               f"{batch.response_tokens} tokens ({'one prompt copy per group' if shared_kv else 'one cache per sequence'})")
     first_mini_rank = est.per_rank(batch.mini_batch_prompts, dp)
-    responses_engine = est.per_rank(batch.prompts * batch.n, lay.rollout_dp)
     micro_suffix = batch.micro_groups * batch.n * batch.response_tokens
     micro_prefix = batch.micro_groups * batch.prompt_tokens
     train_vision = 0 if cfg.model.freeze_vision_tower else 1
@@ -137,16 +224,15 @@ def step_groups(cfg: "Config", hf_config: Any, layout_name: str) -> list[TensorG
                     note="fp32 main grads"),
         TensorGroup("ref_weights", states["weights"] if not fsdp else pbytes * params // (tp * pp * dp) + states["weights"],
                     consumers=_ordered(("ref_log_prob",) + in_window), note=f"{cfg.model.dtype} reference, actor's layout"),
-        TensorGroup("rollout_weights", 0 if shared else pbytes * params // lay.rollout_tp,
+        TensorGroup("rollout_weights", 0 if shared else rollout_rank_bytes(cfg, hf_config),
                     consumers=() if shared else ("rollout_decode", "weight_sync"),
                     note="views of actor_weights" if shared else f"{cfg.model.dtype} copy, rollout t={lay.rollout_tp}"),
         TensorGroup("rollout_rebuilt", _rebuilt_bytes(cfg, hf_config) if shared else 0,
                     consumers=("rollout_decode", "weight_sync") if shared else (),
                     note=(f"share plan t={tp} -> r={lay.rollout_tp}: rebuilt/gathered rollout tensors"
                           if shared else "none: rollout_weights is a copy")),
-        TensorGroup("rollout_kv", responses_engine * (batch.prompt_tokens + batch.response_tokens)
-                    * est.kv_bytes_per_token(text, lay.rollout_tp, pbytes), kind="scratch", consumers=("rollout_decode",),
-                    note=f"{responses_engine} sequences/engine x {batch.prompt_tokens + batch.response_tokens} tokens"),
+        TensorGroup("rollout_kv", kv_tokens * est.kv_bytes_per_token(text, lay.rollout_tp, pbytes), kind="scratch",
+                    consumers=("rollout_decode",), note=kv_note),
     ]
     for role, phase in (("old", "old_log_prob"), ("ref", "ref_log_prob")):
         groups.append(TensorGroup(f"{role}_prefix_kv", batch.prompt_tokens * kv_train, num_items=prompts_rank,

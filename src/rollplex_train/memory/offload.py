@@ -174,3 +174,72 @@ class ModuleOffloader:
             raise ValueError(f"unknown part(s) {unknown}: expected any of {list(PARTS)}")
         return parts
 
+
+
+class StorageOffload:
+    """Moves the storages behind ``tensors`` to host buffers and back, in place: a storage is copied
+    out and resized to 0 bytes, so every tensor and view on it stays the same object (a module whose
+    weights are views of one fused tensor keeps them), and on the way back it is resized and
+    refilled (FSDP's ``_free_storage``/``_alloc_storage``; megatron-core's grad-buffer offload does
+    the same with ``storage().resize_(0)``). Use it where swapping ``p.data`` would cut views apart.
+
+    A storage that cannot be resized (a memory-mapped safetensors file, ``torch.frombuffer``) is first
+    copied once into a fresh one and every tensor of ``tensors`` on it is pointed there (``set_``):
+    ``tensors`` must then hold every tensor on such a storage.
+
+    Args:
+        tensors: the tensors whose storages move (shared storages once).
+        pin_memory: page-locked host buffers (default: on a GPU).
+    """
+
+    def __init__(self, tensors, *, pin_memory: Optional[bool] = None):
+        tensors = list(tensors)
+        self._storages = {}
+        for t in tensors:
+            self._storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
+        fixed = {ptr: self._resizable(s) for ptr, s in self._storages.items() if not s.resizable()}
+        with torch.no_grad():
+            for t in tensors:
+                new = fixed.get(t.untyped_storage().data_ptr())
+                if new is not None:
+                    t.set_(new, t.storage_offset(), t.size(), t.stride())
+        self._storages.update(fixed)
+        self._storages = list(self._storages.values())
+        self._host: list[Optional[torch.Tensor]] = [None] * len(self._storages)
+        self._sizes = [s.nbytes() for s in self._storages]
+        device = self._storages[0].device if self._storages else torch.device("cpu")
+        self.pin_memory = device.type == "cuda" if pin_memory is None else pin_memory
+        self.offloaded = False
+
+    @staticmethod
+    def _resizable(storage) -> torch.UntypedStorage:
+        """A resizable copy of ``storage`` on its device."""
+        out = torch.UntypedStorage(storage.nbytes(), device=storage.device)
+        out.copy_(storage)
+        return out
+
+    @staticmethod
+    def _bytes_of(storage) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+    def offload(self) -> int:
+        """Copy every storage to its host buffer and free it; returns the bytes moved (0 if away)."""
+        if self.offloaded:
+            return 0
+        for i, storage in enumerate(self._storages):
+            if self._host[i] is None:
+                self._host[i] = torch.empty(self._sizes[i], dtype=torch.uint8, pin_memory=self.pin_memory)
+            self._host[i].copy_(self._bytes_of(storage))
+            storage.resize_(0)
+        self.offloaded = True
+        return sum(self._sizes)
+
+    def onload(self) -> int:
+        """Reallocate every storage and copy its bytes back; returns the bytes moved (0 if here)."""
+        if not self.offloaded:
+            return 0
+        for i, storage in enumerate(self._storages):
+            storage.resize_(self._sizes[i])
+            self._bytes_of(storage).copy_(self._host[i])
+        self.offloaded = False
+        return sum(self._sizes)

@@ -19,8 +19,10 @@ import logging
 from typing import TYPE_CHECKING
 
 from rollplex_train.memory import estimate as est
-from rollplex_train.memory.groups import PHASES, TensorGroup, rollout_shares_actor_weights, step_groups
-from rollplex_train.memory.residency import ResidencyPlan, minimum_budget, phases_from_groups, plan_residency
+from rollplex_train.memory.groups import (PHASES, TensorGroup, rollout_shares_actor_weights, rollout_shares_prompt_kv,
+                                          step_groups)
+from rollplex_train.memory.residency import ResidencyPlan, phases_from_groups
+from rollplex_train.memory.step_plan import budget_bytes, plan_rows, plan_step, row, run_plan
 from rollplex_train.parallel import ParallelLayout
 
 if TYPE_CHECKING:
@@ -36,31 +38,11 @@ def _gib(nbytes: float) -> str:
     return f"{gib:.1f}" if gib >= 1 or gib == 0 else f"{gib:.3g}"
 
 
-def budget_bytes(config: "Config") -> int:
-    """Device budget per GPU: ``memory.budget_gib`` (or ``cluster.gpu_memory_gib``) less ``memory.reserved_gib``
-    is what the groups may use; ``runtime_reserved`` is itself a group, so the whole budget is passed."""
-    gib = config.memory.budget_gib if config.memory.budget_gib is not None else config.cluster.gpu_memory_gib
-    return int(gib * est.GIB)
-
-
 def serial_phase_bytes(groups: list[TensorGroup]) -> dict[str, int]:
     """Bytes each phase of the serial step needs when everything it does not use is offloaded."""
     phases = phases_from_groups(groups, PHASES)
     sizes = {g.name: g.nbytes for g in groups}
     return {p.name: sum(sizes[g] for g in p.uses) for p in phases}
-
-
-def plan_rollplex(config: "Config", hf_config) -> tuple[list[TensorGroup], ResidencyPlan, tuple[str, int]]:
-    """The rollplex groups of ``config``, their residency plan and ``(phase, shortfall bytes)``: the
-    shortfall is 0 when the plan fits the budget; else the least budget any plan needs
-    (``residency.minimum_budget``, set by ``phase``) minus the budget, and the plan is made at that
-    least budget (so the table still shows the step)."""
-    groups = step_groups(config, hf_config, "rollplex")
-    phases = phases_from_groups(groups, PHASES)
-    budget, offload = budget_bytes(config), config.memory.pinned_host_offload
-    phase, need = minimum_budget(groups, phases, allow_offload=offload)
-    plan = plan_residency(groups, phases, max(budget, need), allow_offload=offload)
-    return groups, plan, (phase, max(0, need - budget))
 
 
 def report(config: "Config") -> str:
@@ -72,13 +54,11 @@ def report(config: "Config") -> str:
     """
     from rollplex_train.models.arch import load_hf_config
 
-    if config.cluster.device != "cuda":
-        raise ValueError("rollplex-plan memory plans GPU memory per device, but cluster.device=cpu (a CPU run): "
-                         "set cluster.device=cuda, or use a GPU experiment (qwen25vl7b_geo3k, qwen25vl32b_embodied)")
     hf = load_hf_config(config.model)
     naive = step_groups(config, hf, "naive")
     serial = step_groups(config, hf, "serial")
-    groups, plan, (worst, short) = plan_rollplex(config, hf)
+    step = plan_step(config, hf, "rollplex")
+    groups, plan, worst, short = step.groups, step.plan, step.worst_phase, step.short_bytes
     naive_total = sum(g.nbytes for g in naive)
     serial_bytes = serial_phase_bytes(serial)
     budget = budget_bytes(config)
@@ -103,6 +83,7 @@ def report(config: "Config") -> str:
               f"{plan.items_alive('rollout_decode', PREFIX_GROUPS[:2])} of {counts['old_prefix_kv']} prompts, "
               f"actor prefix graphs of {window.get('actor_prefix_acts', 0)} of {counts['actor_prefix_acts']}; "
               "the rest streamed to pinned host memory and prefetched before their consumer"]
+    lines += ["", *_run_rows(config, hf)]
     peak_serial = max(serial_bytes.values())
     if peak_serial > budget:
         lines.append(f"serial with offload does not fit: {serial_bytes and max(serial_bytes, key=serial_bytes.get)} "
@@ -116,6 +97,26 @@ def report(config: "Config") -> str:
                  + (f" short={short / est.GIB:.2f}GiB" if short else ""))
     log.debug("memory plan of %s: peak %.1f GiB", config.trainer.experiment_name, plan.peak_bytes / est.GIB)
     return "\n".join(lines) + "\n"
+
+
+def _run_rows(config: "Config", hf) -> list[str]:
+    """The rows the run of ``config`` logs (``memory/<phase>/<group>_gib``), from its own plan
+    (``step_plan.run_plan``: its schedule, sharing and backend)."""
+    step = run_plan(config, hf)
+    rows = plan_rows(step)
+    groups = list(dict.fromkeys(name.split("/")[2][: -len("_gib")] for name in rows))
+    out = [f"## Rows the run measures: memory/<phase>/<group>_gib ({config.schedule.name} schedule, sharing "
+           f"{'on' if config.sharing.enabled else 'off'}, actor.backend={config.actor.backend}; GiB per device, "
+           "<= : at most)", "", f"{'phase':<16} " + " ".join(f"{g:>17}" for g in groups)]
+    for phase in PHASES:
+        cells = []
+        for g in groups:
+            gib, kind = rows.get(row(phase, g), (None, ""))
+            cells.append(f"{'-' if gib is None else ('<=' if kind == 'at_most' else '') + f'{gib:.4g}':>17}")
+        out.append(f"{phase:<16} " + " ".join(cells))
+    if step.short_bytes:
+        out.append(f"(the run's plan does not fit: {step.worst_phase} needs {step.short_bytes / est.GIB:.3g} GiB more)")
+    return out
 
 
 def _describe(p, plan: ResidencyPlan) -> str:
@@ -147,8 +148,13 @@ def _assumptions(config: "Config", hf) -> list[str]:
         f"{batch.prompt_tokens} tokens (data.max_prompt_length, incl. {batch.vision_tokens} vision tokens = "
         f"{batch.vision_patches} vision-tower patches of the largest image/video); responses of "
         f"{batch.response_tokens} tokens (rollout.max_new_tokens, every sequence at the maximum)",
-        f"- rollout KV cache: one cache per sequence (the prompt's cache is repeated n times, as the built-in "
-        f"engine does), {est.kv_bytes_per_token(text, lay.rollout_tp, est.param_bytes_of(config)):,} bytes/token/GPU",
+        f"- rollout KV cache ({config.rollout.name} engine): "
+        + ("one copy of a prompt's KV for its n samples (P W + P n C positions: "
+           + ("SGLang's radix cache" if config.rollout.name == "sglang" else "rollout.share_prompt_kv") + ")"
+           if rollout_shares_prompt_kv(config) else
+           "one cache per sequence (P n (W + C) positions: the prompt's cache repeated n times, "
+           "rollout.share_prompt_kv=false)")
+        + f", {est.kv_bytes_per_token(text, lay.rollout_tp, est.param_bytes_of(config)):,} bytes/token/GPU",
         f"- update: mini-batches of {batch.mini_batch_prompts} prompts ({est.per_rank(batch.mini_batch_prompts, lay.train_dp)}"
         f"/rank), micro-batches of {batch.micro_groups} group(s) = {batch.micro_groups * batch.n} responses; "
         f"activation recompute={mem.activation_recompute}; vision tower "
@@ -158,6 +164,8 @@ def _assumptions(config: "Config", hf) -> list[str]:
         + ("map the actor's: views, plus the tensors the share plan rebuilds (rollout_rebuilt, as "
            "rollplex-plan sharing counts them)" if shared else "are a separate copy"),
         f"- offload to pinned host memory: {'allowed' if mem.pinned_host_offload else 'off'}; "
-        f"runtime_reserved: {mem.reserved_gib:g} GiB per GPU for CUDA contexts and NCCL communicators "
-        "(memory.reserved_gib; docs/memory.md gives the sources)",
+        + (f"runtime_reserved: {mem.reserved_gib:g} GiB per GPU for CUDA contexts and NCCL communicators "
+           "(memory.reserved_gib; docs/memory.md gives the sources)" if config.cluster.device == "cuda" else
+           "runtime_reserved: none (cluster.device=cpu: no CUDA context, gloo; the budget is memory.budget_gib "
+           "or cluster.gpu_memory_gib per device)"),
     ]

@@ -23,7 +23,13 @@ Per phase the planner, greedily and in this order:
 5. everything else alive is offloaded to pinned host memory (device -> host at the phase's start);
    dead groups hold no memory.
 
-With ``allow_offload=False`` every alive group stays whole on the device. The device bytes of a phase
+With ``allow_offload=False`` every alive group stays whole on the device. Two per-group constraints
+follow what the engines can do (``memory/groups.py::pinned_groups``/``evicted_groups``): a *pinned*
+group stays whole on the device in every phase it is alive (no engine can move it: weights the
+rollout maps, prefix states, Megatron's grad buffer while it lives); an *evicted* group is never
+kept resident in step 4 (``memory.offload_optimizer``: it leaves the device after its last use of
+the step and comes back by prefetch). A per-prompt group made and consumed within one phase (the
+serial schedule's prefix states) passes through it one item at a time. The device bytes of a phase
 never exceed the budget (property-tested in ``tests/test_memory_residency.py``).
 """
 
@@ -40,6 +46,14 @@ class GroupLike(Protocol):
     item_bytes: int
     num_items: int
     kind: str
+
+
+def made_and_used_in_one_phase(g: GroupLike) -> bool:
+    """A per-prompt live group made and consumed in the same phase (the serial schedule's prefix
+    states): the phase makes, uses and frees one item at a time, so it never holds more than one
+    and none waits on the host. Groups without ``producer``/``consumers`` are not."""
+    producer = getattr(g, "producer", None)
+    return g.kind == "live" and g.num_items > 1 and producer is not None and set(getattr(g, "consumers", ())) <= {producer}
 
 
 @dataclass(frozen=True)
@@ -152,8 +166,10 @@ def _lifetimes(groups: dict[str, GroupLike], phases: Sequence[Phase]) -> dict[st
 
 
 def plan_residency(groups: Sequence[GroupLike], phases: Sequence[Phase], budget_bytes: int, *,
-                   allow_offload: bool = True) -> ResidencyPlan:
+                   allow_offload: bool = True, pinned: Iterable[str] = (), evict: Iterable[str] = ()) -> ResidencyPlan:
     """Plan per-phase residency of ``groups`` within ``budget_bytes`` (see the module docstring).
+    ``pinned``: groups kept whole on the device wherever alive; ``evict``: groups never kept
+    resident where not needed (both by name; unknown names are ignored).
 
     Raises:
         ValueError: a phase names an unknown group, a live group's producer/consumers are out of
@@ -166,6 +182,7 @@ def plan_residency(groups: Sequence[GroupLike], phases: Sequence[Phase], budget_
         if unknown:
             raise ValueError(f"phase {p.name!r} uses unknown group(s) {unknown}")
     alive = _lifetimes(by_name, phases)
+    pinned, evict = frozenset(pinned), frozenset(evict)
     n = len(phases)
     plans: list[PhasePlan] = []
     prev: dict[str, int] = {}
@@ -173,7 +190,7 @@ def plan_residency(groups: Sequence[GroupLike], phases: Sequence[Phase], budget_
         first = dict(prev)
         plans = []
         for i in range(n):
-            plans.append(_plan_phase(i, phases, by_name, alive, budget_bytes, allow_offload, prev))
+            plans.append(_plan_phase(i, phases, by_name, alive, budget_bytes, allow_offload, prev, pinned, evict))
             prev = plans[-1].resident
         if prev == first:
             break
@@ -198,24 +215,26 @@ def _account_copies(i: int, plans: list[PhasePlan], phases: Sequence[Phase], gro
             late = now - ready if group.num_items == 1 else int(ready == 0)  # the rest streams in behind
             if late > 0:
                 plan.exposed[g] = late
-        if group.num_items > now:  # at the end of the phase, the rest waits on the host
+        if group.num_items > now and not made_and_used_in_one_phase(group):  # the rest waits on the host
             plan.host[g] = group.num_items - now
 
 
 def _plan_phase(i: int, phases: Sequence[Phase], groups: dict[str, GroupLike], alive: dict[str, set[int]],
-                budget: int, allow_offload: bool, prev: dict[str, int]) -> PhasePlan:
+                budget: int, allow_offload: bool, prev: dict[str, int], pinned: frozenset = frozenset(),
+                evict: frozenset = frozenset()) -> PhasePlan:
     """Residency of phase ``i`` given the residency ``prev`` of the phase before it."""
     phase, n = phases[i], len(phases)
     plan = PhasePlan(phase.name)
     res = plan.resident
     uses = list(phase.uses)
-    res.update(_minimum(i, phases, groups, alive, allow_offload))
+    res.update(_minimum(i, phases, groups, alive, allow_offload, pinned))
     need = _bytes(res, groups)
     if need > budget:
         listed = ", ".join(f"{g} {groups[g].item_bytes * k / GIB:.2f}" for g, k in res.items() if k)
         raise ValueError(f"phase {phase.name!r} does not fit: it needs {need / GIB:.2f} GiB on the device ({listed}) "
                          f"with a budget of {budget / GIB:.2f} GiB: short by {(need - budget) / GIB:.2f} GiB")
-    free = _fill_round_robin(res, [g for g in uses if groups[g].num_items > 1], groups, budget - need)
+    free = _fill_round_robin(res, [g for g in uses if groups[g].num_items > 1 and not made_and_used_in_one_phase(groups[g])],
+                             groups, budget - need)
     for g in uses:
         if groups[g].num_items > res[g]:
             plan.streamed[g] = groups[g].num_items - res[g]
@@ -232,7 +251,8 @@ def _plan_phase(i: int, phases: Sequence[Phase], groups: dict[str, GroupLike], a
             if got < free:
                 plan.prefetch[g] = (free - got) // groups[g].item_bytes if groups[g].item_bytes else 0
             free = got
-        idle = sorted((g for g in carried if res.get(g, 0) < carried[g]), key=lambda g: _next_use(g, i, phases, alive))
+        idle = sorted((g for g in carried if res.get(g, 0) < carried[g] and g not in evict),
+                      key=lambda g: _next_use(g, i, phases, alive))
         for g in idle:  # keep what is already on the device, the soonest needed first
             free = _add(res, g, carried[g] - res.get(g, 0), groups, free)
     plan.device_bytes = budget - free
@@ -241,16 +261,20 @@ def _plan_phase(i: int, phases: Sequence[Phase], groups: dict[str, GroupLike], a
 
 
 def _minimum(i: int, phases: Sequence[Phase], groups: dict[str, GroupLike], alive: dict[str, set[int]],
-             allow_offload: bool) -> dict[str, int]:
+             allow_offload: bool, pinned: frozenset = frozenset()) -> dict[str, int]:
     """Items phase ``i`` must hold on the device: one item of each per-prompt group it uses and the
-    other groups it uses whole; without offload every group alive in it, whole."""
+    other groups it uses whole, every ``pinned`` group alive in it whole (one item of a group made
+    and used within the phase); without offload every group alive in it, whole."""
     if allow_offload:
-        return {g: 1 if groups[g].num_items > 1 else groups[g].num_items for g in phases[i].uses}
+        need = {g: 1 if groups[g].num_items > 1 else groups[g].num_items for g in phases[i].uses}
+        need.update({g: groups[g].num_items for g in pinned
+                     if g in alive and i in alive[g] and not made_and_used_in_one_phase(groups[g])})
+        return need
     return {g: groups[g].num_items for g, phases_alive in alive.items() if i in phases_alive}
 
 
 def minimum_budget(groups: Sequence[GroupLike], phases: Sequence[Phase], *,
-                   allow_offload: bool = True) -> tuple[str, int]:
+                   allow_offload: bool = True, pinned: Iterable[str] = ()) -> tuple[str, int]:
     """``(phase, bytes)``: the phase whose minimum device footprint is the largest, and that footprint:
     the smallest budget :func:`plan_residency` accepts for ``groups`` (bytes, per device).
 
@@ -259,7 +283,8 @@ def minimum_budget(groups: Sequence[GroupLike], phases: Sequence[Phase], *,
     """
     by_name = {g.name: g for g in groups}
     alive = _lifetimes(by_name, phases)
-    needs = [(_bytes(_minimum(i, phases, by_name, alive, allow_offload), by_name), p.name)
+    pinned = frozenset(pinned)
+    needs = [(_bytes(_minimum(i, phases, by_name, alive, allow_offload, pinned), by_name), p.name)
              for i, p in enumerate(phases)]
     need, name = max(needs)
     return name, need

@@ -21,9 +21,13 @@ The three layouts (sources read for them, not copied):
   ``VocabParallelEmbedding`` (``megatron/core/tensor_parallel/layers.py``) with the HF conversion of
   Megatron-Bridge (``src/megatron/bridge/models/conversion/param_mapping.py``: ``QKVMapping`` puts,
   per KV group, the group's q heads, then its k head, then its v head; ``GatedMLPMapping`` makes
-  ``linear_fc1`` of rank i ``[gate_i; up_i]``). The vision blocks use the same linears with one KV
-  group per head. The vocabulary is padded to a multiple of ``make_vocab_size_divisible_by * n``
-  (megatron ``_vocab_size_with_padding``); requires nkv % n == 0 (megatron's check).
+  ``linear_fc1`` of rank i ``[gate_i; up_i]``). The vocabulary is padded to a multiple of
+  ``make_vocab_size_divisible_by * n`` (megatron ``_vocab_size_with_padding``); requires
+  nkv % n == 0 (megatron's check). The vision tower is the HF module, tensor-parallel in SGLang's
+  arrangement (``training/megatron/vision.py``): HF names, the fused ``attn.qkv`` of rank i
+  ``[q_i; k_i; v_i]``, ``mlp.gate_up_proj`` ``[gate_i; up_i]`` (width padded to a multiple of 8),
+  ``attn.proj``/``mlp.down_proj``/``merger.mlp.2`` row parallel, ``merger.mlp.0`` column
+  parallel; so every vision tensor of an SGLang rank at r = t is a view of the training rank's.
 * ``sglang``: SGLang ``python/sglang/srt/models/qwen2_5_vl.py`` + ``qwen2.py`` with
   ``layers/linear.py``: ``QKVParallelLinear`` holds ``[q_i; k_i; v_i]`` and replicates KV heads when
   n > nkv (kv head of rank i = i // (n / nkv)); ``MergedColumnParallelLinear`` holds
@@ -207,7 +211,7 @@ class _Builder:
             qb = [head(q, offsets[0], h) for h in qh]
             kb = [head(k, offsets[1], h) for h in kvh]
             vb = [head(v, offsets[2], h) for h in kvh]
-            if self.kind == "megatron":
+            if self.kind == "megatron" and q != k:  # the LLM (the vision tower's fused qkv: below)
                 blocks = [b for g in kvh for b in (*[head(q, offsets[0], h) for h in qh if h // qpg == g],
                                                    head(k, offsets[1], g), head(v, offsets[2], g))]
                 self.add(i, prefix + "linear_qkv" + suffix, 0, blocks, q)
@@ -218,18 +222,18 @@ class _Builder:
             elif self.kind == "hf" and q != k:
                 for src, bl in ((q, qb), (k, kb), (v, vb)):
                     self.add(i, src, 0, bl, src)
-            else:
+            else:  # sglang's qkv_proj; the vision tower's fused qkv (hf, megatron)
                 leaf = "qkv_proj" if self.kind == "sglang" else "qkv"
                 self.add(i, prefix + leaf + suffix, 0, qb + kb + vb, q)
 
-    def gated(self, prefix: str, suffix: str, gate: str, up: str, padded: int) -> None:
+    def gated(self, prefix: str, suffix: str, gate: str, up: str, padded: int, vision: bool = False) -> None:
         for i in range(self.n):
             gb, ub = _split(gate, padded, self.n, i), _split(up, padded, self.n, i)
             if self.kind == "hf" or (self.kind == "sglang" and self.split_gate_up):
                 self.add(i, prefix + "gate_proj" + suffix, 0, [gb], gate)
                 self.add(i, prefix + "up_proj" + suffix, 0, [ub], up)
             else:
-                leaf = "linear_fc1" if self.kind == "megatron" else "gate_up_proj"
+                leaf = "linear_fc1" if self.kind == "megatron" and not vision else "gate_up_proj"
                 self.add(i, prefix + leaf + suffix, 0, [gb, ub], gate)
 
 
@@ -238,7 +242,8 @@ _MEGATRON_LEAF = {"o_proj": "linear_proj", "down_proj": "linear_fc2", "proj": "l
 
 
 def _rename(kind: str, name: str, leaf: str) -> str:
-    if kind != "megatron" or leaf not in _MEGATRON_LEAF:
+    """The megatron name of an LLM linear (the vision tower keeps its HF names)."""
+    if kind != "megatron" or leaf not in _MEGATRON_LEAF or ".visual." in "." + name:
         return name
     return name.replace("." + leaf + ".", "." + _MEGATRON_LEAF[leaf] + ".")
 
@@ -280,7 +285,7 @@ def build_layout(kind: str, tp: int, shapes: dict[str, tuple[int, ...]], dims: D
             b.attention(prefix, suffix, name, name, name, nh, nh, dims.vision_head_dim, (0, width, 2 * width))
         elif name.endswith("mlp.gate_proj" + suffix):
             mult = b.vision_mlp_multiple if vision else 1
-            b.gated(prefix, suffix, name, name.replace("gate_proj", "up_proj"), _pad(shape[0], mult))
+            b.gated(prefix, suffix, name, name.replace("gate_proj", "up_proj"), _pad(shape[0], mult), vision)
         elif suffix == ".weight" and leaf in ("o_proj", "down_proj", "mlp.2") or name.endswith("attn.proj.weight"):
             mult = b.vision_mlp_multiple if (vision and leaf == "down_proj") else 1
             b.split(name, _rename(kind, name, leaf), 1, _pad(shape[1], mult))

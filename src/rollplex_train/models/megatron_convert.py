@@ -1,9 +1,9 @@
 """HF <-> megatron-core weight conversion of the Qwen2-VL / Qwen2.5-VL language model.
 
-The language model becomes an mcore ``GPTModel``; the vision tower stays the HF module (replicated
-on every TP rank, the Megatron-Bridge ``Qwen25VLModel`` arrangement: ``src/megatron/bridge/models/
-qwen_vl/modeling_qwen25_vl.py`` keeps ``transformers``' vision model and builds the LLM as an mcore
-``GPTModel``). Which rows of which HF tensor a rank holds is read from ``models/layouts.py``'s
+The language model becomes an mcore ``GPTModel``; the vision tower stays the HF module, as in
+Megatron-Bridge's ``Qwen25VLModel`` (``src/megatron/bridge/models/qwen_vl/modeling_qwen25_vl.py``),
+but tensor-parallel in SGLang's arrangement (``training/megatron/vision.py``). Which rows of which
+HF tensor a rank holds is read from ``models/layouts.py``'s
 ``megatron`` layout (qkv interleaved per KV group, ``[gate_i; up_i]`` in ``linear_fc1``, the
 vocabulary padded to ``make_vocab_size_divisible_by x tp``); this module only renames the layout's
 tensors to ``GPTModel`` state-dict keys (the key names of megatron-core 0.16.1
@@ -62,23 +62,24 @@ def gpt_key(layout_name: str, te_names: bool = False) -> str:
 
 
 def megatron_layout(shapes: dict[str, tuple[int, ...]], dims: Dims, tp: int, vocab_divisible_by: int) -> Layout:
-    """The training layout of the Megatron backend: the ``megatron`` layout's language-model tensors
-    at TP ``tp`` plus the vision tower as whole HF tensors on every rank (it is not TP-split).
+    """The training layout of the Megatron backend at TP ``tp``: ``models/layouts.py``'s ``megatron``
+    layout (``GPTModel`` tensors of the language model, the vision tower's HF modules split as
+    SGLang splits them).
 
     Args:
         shapes: HF parameter shapes (tied embeddings once, ``models.arch.parameter_shapes``).
 
     Raises:
-        ValueError: ``tp`` does not divide the heads, KV heads or padded vocabulary.
+        ValueError: ``tp`` does not divide the heads, KV heads, padded vocabulary or vision widths.
     """
-    lm = build_layout("megatron", tp, shapes, dims, vocab_divisible_by=vocab_divisible_by)
-    vision = build_layout("hf", 1, {n: s for n, s in shapes.items() if not is_language_model(n)}, dims)
-    ranks = []
-    for specs in lm.ranks:
-        merged = {n: s for n, s in specs.items() if is_language_model(_source(s))}
-        merged.update(vision.ranks[0])
-        ranks.append(merged)
-    return Layout("megatron", tp, tuple(ranks), dict(shapes))
+    return build_layout("megatron", tp, shapes, dims, vocab_divisible_by=vocab_divisible_by)
+
+
+def vision_shards(full: dict[str, torch.Tensor], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s vision-tower tensors of ``layout`` cut from full HF weights ``full`` (padding
+    rows zero), ``{layout name: tensor}`` in the spec shapes, new storage."""
+    return {n: reference_shard(s, full).clone() for n, s in layout.ranks[rank].items()
+            if not is_language_model(_source(s))}
 
 
 def _source(spec: TensorSpec) -> str:
@@ -120,10 +121,26 @@ def megatron_to_hf(rank_states: list[dict[str, torch.Tensor]], layout: Layout, t
     """
     if len(rank_states) != layout.tp:
         raise ValueError(f"{len(rank_states)} rank states for a TP={layout.tp} layout")
+    return join_ranks([{n: state[gpt_key(n, te_names)] for n in lm_specs(layout, rank)}
+                       for rank, state in enumerate(rank_states)], layout)
+
+
+def join_ranks(rank_tensors: list[dict[str, torch.Tensor]], layout: Layout) -> dict[str, torch.Tensor]:
+    """Full HF tensors joined from the ranks' tensors of ``layout``: ``rank_tensors[i]`` maps layout
+    names of rank i to tensors (any subset of its specs); padding rows are dropped, a replicated
+    tensor is taken from the last rank holding it (the ranks hold the same values).
+
+    Returns:
+        ``{HF name: tensor}`` of every HF tensor the given specs cover, HF shapes, new storage.
+
+    Raises:
+        KeyError: a name that is not a spec of its rank.
+    """
     out: dict[str, torch.Tensor] = {}
-    for rank in range(layout.tp):
-        for name, spec in lm_specs(layout, rank).items():
-            local = rank_states[rank][gpt_key(name, te_names)].reshape(spec.logical_shape)
+    for rank, tensors in enumerate(rank_tensors):
+        for name, tensor in tensors.items():
+            spec = layout.ranks[rank][name]
+            local = tensor.reshape(spec.logical_shape)
             pos = 0
             for blk in spec.blocks:
                 shape = layout.hf_shapes[blk.source]

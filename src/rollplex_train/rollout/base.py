@@ -169,6 +169,12 @@ class RolloutEngine(abc.ABC):
         """Re-acquire what ``release_memory(tags)`` freed; generate works again once every tag is
         resumed."""
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Device bytes of the residency groups (``memory/groups.py``: ``rollout_weights``,
+        ``rollout_kv``) the engine holds, measured from its tensors; ``{}`` where it cannot tell
+        (an engine in other processes)."""
+        return {}
+
 
 ROLLOUT_ENGINES: Registry[Callable[..., RolloutEngine]] = Registry(
     "rollout.name",

@@ -106,6 +106,9 @@ class BuiltinRolloutEngine(RolloutEngine):
             log.info("decode steps run transformers' forward (%s)", self.fused_decode_unsupported)
         self.share_prompt_kv = share_prompt_kv
         self.kv_cache_bytes = 0  # bytes of the decode KV cache of the last request's largest chunk
+        self.kv_cache_peak_bytes = 0  # the largest since memory_bytes() last read it
+        self._released_tags: set[str] = set()
+        self._weights_offload = None  # memory.offload.StorageOffload once the weights were released
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
@@ -248,19 +251,49 @@ class BuiltinRolloutEngine(RolloutEngine):
 
     MEMORY_TAGS = ("kv_cache", "weights")
 
-    def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
-        """The KV cache lives only inside a request, so between requests there is none to free; the
-        weights stay in memory (shared with the trainer in the embedded run). The released tags are
-        recorded and ``generate`` refuses to run until they are resumed."""
+    def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> int:
+        """``weights``: this engine's own weights go to host memory (``memory.offload.StorageOffload``:
+        the storages are emptied in place, so the TP rank's q/k/v and gate/up views stay views);
+        weights mapped from the trainer are the trainer's and stay. ``kv_cache``: the KV cache lives
+        only inside a request, so between requests there is none to free. The released tags are
+        recorded and ``generate`` refuses to run until they are resumed.
+
+        Returns:
+            the bytes moved to host memory.
+
+        Raises:
+            ValueError: an unknown tag.
+        """
         unknown = set(tags) - set(self.MEMORY_TAGS)
         if unknown:
             raise ValueError(f"release_memory tags {sorted(unknown)}: expected some of {list(self.MEMORY_TAGS)}")
-        self._released_tags = set(getattr(self, "_released_tags", set())) | set(tags)
-        self._released = bool(self._released_tags)
+        moved = 0
+        if "weights" in tags and self._shared is None:
+            if self._weights_offload is None:
+                from rollplex_train.memory.offload import StorageOffload
 
-    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
-        self._released_tags = set(getattr(self, "_released_tags", set())) - set(tags)
+                self._weights_offload = StorageOffload(self.model.parameters())
+            moved = self._weights_offload.offload()
+        self._released_tags = self._released_tags | set(tags)
         self._released = bool(self._released_tags)
+        return moved
+
+    def resume_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> int:
+        """Bring back what :meth:`release_memory` moved; returns the bytes."""
+        moved = self._weights_offload.onload() if "weights" in tags and self._weights_offload is not None else 0
+        self._released_tags = self._released_tags - set(tags)
+        self._released = bool(self._released_tags)
+        return moved
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Device bytes of the residency groups (``memory/groups.py``) this engine holds:
+        ``rollout_weights`` (its own weights; 0 when they are the trainer's) and ``rollout_kv`` (the
+        largest decode KV cache since the last call, ``rollout/kv_cache.cache_nbytes``)."""
+        from rollplex_train.memory.measure import live_tensor_bytes
+
+        kv, self.kv_cache_peak_bytes = self.kv_cache_peak_bytes, 0
+        own = 0 if self._shared is not None else live_tensor_bytes(self.model.parameters())
+        return {"rollout_weights": own, "rollout_kv": kv}
 
     # ---- decode ---------------------------------------------------------------------------------
     def _account(self, since: float, steps: int) -> float:
@@ -329,6 +362,7 @@ class BuiltinRolloutEngine(RolloutEngine):
             cache = PreallocatedCache.left_padded(keys, values, capacity=mask.shape[1] + params.max_new_tokens)
             cache.batch_repeat_interleave(n)
         self.kv_cache_bytes = max(self.kv_cache_bytes, cache_nbytes(cache))
+        self.kv_cache_peak_bytes = max(self.kv_cache_peak_bytes, self.kv_cache_bytes)
         last_hidden = torch.stack([s.last_hidden for s in states])  # (P, H)
         deltas = torch.tensor([[s.next_position - s.prompt_length] for s in states], device=dev)
         last_hidden = last_hidden.repeat_interleave(n, dim=0)

@@ -19,10 +19,10 @@ response, its environment step (parse, act, render, resize and patchify the fram
 observation) is queued on a small pool of threads (``env.num_workers``), so it runs while the
 other trajectories of the turn still decode.
 
-The engine prefills each turn's whole input itself (its vision included). A planner that keeps
-the finished turns' prefix states can hand them in through ``generate``'s ``prefixes`` (the path
-``schedule.prefill_from_actor`` uses): under ``context=full`` turn t's input is a prefix of turn
-t+1's.
+The engine prefills each turn's whole input itself (its vision included). Under ``context=full``
+turn t's input is a prefix of turn t+1's: :meth:`TurnLoop.rollout_stream` yields each turn's inputs
+(:class:`TurnInput`) as the turn starts, so a planner can score everything up to them while the
+turn decodes (``runtime/env_window.py``, ``models/turn_scoring.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from concurrent.futures import Future
-from typing import Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 
@@ -45,6 +46,26 @@ from rollplex_train.rollout.trajectory import ObservationRecord, Trajectory, Tur
 from rollplex_train.rollout.turns import TurnTokenizer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class TurnInput:
+    """The whole context of trajectories about to decode a turn: response-independent for the rest of
+    them (under ``context=full``).
+
+    Attributes:
+        seed: the environment seed. uids: the trajectories it belongs to (turn 0: the G of the
+            seed, which share it; later: one).
+        ids: (L,) int64 everything so far (system ... this turn's observation and assistant header).
+        sampled: (L,) bool, the tokens the policy sampled (earlier responses).
+        vision: the patches of every observation in ``ids``, in order.
+    """
+
+    seed: int
+    uids: tuple[str, ...]
+    ids: torch.Tensor
+    sampled: torch.Tensor
+    vision: VisionInputs
 
 
 class _Episode:
@@ -75,6 +96,19 @@ class _Episode:
             if j < last:
                 pieces += [self.turns[j].response_ids, self.close_ids[j]]
         return torch.cat(pieces), tuple(range(first, last + 1))
+
+    def scoring_input(self) -> TurnInput:
+        """The whole context so far (every observation, whatever ``env.context``) as a TurnInput."""
+        ids, sampled = [self.system_ids], [torch.zeros(len(self.system_ids), dtype=torch.bool)]
+        for j, user in enumerate(self.user_ids):
+            ids.append(user)
+            sampled.append(torch.zeros(len(user), dtype=torch.bool))
+            if j < len(self.user_ids) - 1:
+                ids += [self.turns[j].response_ids, self.close_ids[j]]
+                sampled += [torch.ones(len(self.turns[j].response_ids), dtype=torch.bool),
+                            torch.zeros(len(self.close_ids[j]), dtype=torch.bool)]
+        vision = VisionInputs.concat([o.vision for o in self.observations])
+        return TurnInput(self.seed, (self.uid,), torch.cat(ids), torch.cat(sampled), vision)
 
     def prompt(self, window: Optional[int], uid: str) -> PromptSample:
         """The next turn's engine input as a prompt (its observations' images as its vision)."""
@@ -168,7 +202,17 @@ class TurnLoop:
     # ---- the loop ---------------------------------------------------------------------------------
     def rollout(self, seeds: list[int], params: SamplingParams, weights_version: Optional[int] = None,
                 uid_prefix: str = "env") -> list[Trajectory]:
-        """Run ``params.n`` trajectories for each environment seed.
+        """Run ``params.n`` trajectories for each environment seed: the last item of
+        :meth:`rollout_stream` (its arguments, result and errors)."""
+        for item in self.rollout_stream(seeds, params, weights_version, uid_prefix):
+            pass
+        return item
+
+    def rollout_stream(self, seeds: list[int], params: SamplingParams, weights_version: Optional[int] = None,
+                       uid_prefix: str = "env") -> Iterator[Union[list[TurnInput], list[Trajectory]]]:
+        """Run ``params.n`` trajectories for each environment seed; before each turn's engine request,
+        yield the :class:`TurnInput` of every trajectory about to decode (turn 0: one per seed), and
+        last, the trajectories.
 
         Args:
             seeds: P environment seeds (``reset(seed)``).
@@ -177,8 +221,9 @@ class TurnLoop:
             uid_prefix: trajectory uids are ``<uid_prefix>:<seed>/<g>``; the sampling streams are
                 seeded by them, so a step should give its own prefix.
 
-        Returns:
-            P * G trajectories, seed-major (seed 0's G first), each finished (``Trajectory.finish``).
+        Yields:
+            lists of TurnInput, then (last) P * G trajectories, seed-major (seed 0's G first), each
+            finished (``Trajectory.finish``).
 
         Raises:
             EnvError: one line naming the environment, seed, sample and turn: ``reset`` failed or
@@ -195,11 +240,13 @@ class TurnLoop:
         try:
             self._start(episodes, workers, params)
             groups = [episodes[i * params.n:(i + 1) * params.n] for i in range(len(seeds))]
+            yield [dataclasses.replace(g[0].scoring_input(), uids=tuple(e.uid for e in g)) for g in groups]
             # turn 0: one prompt per seed, its G samples share the prefill
             self._turn([(g[0].prompt(self.window, f"{uid_prefix}:{g[0].seed}"), g) for g in groups], params,
                        weights_version, workers)
             single = dataclasses.replace(params, n=1)
             while live := [e for e in episodes if not e.finish]:
+                yield [e.scoring_input() for e in live]
                 self._turn([(e.prompt(self.window, f"{e.uid}/turn{len(e.turns)}"), [e]) for e in live], single,
                            weights_version, workers)
         finally:
@@ -218,7 +265,7 @@ class TurnLoop:
         if failed:
             log.warning("%d of %d trajectories ended by an environment error (env.on_error=truncate); first: %s",
                         len(failed), len(episodes), failed[0].error)
-        return [e.trajectory(self.cfg.context) for e in episodes]
+        yield [e.trajectory(self.cfg.context) for e in episodes]
 
     def _start(self, episodes: list[_Episode], workers: EnvWorkers, params: SamplingParams) -> None:
         """Reset every environment (worker threads); check the G first observations of a seed agree

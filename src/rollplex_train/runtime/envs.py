@@ -22,7 +22,8 @@ k * G rows (``runtime/old_policy.groups_per_mini_batch``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -56,7 +57,10 @@ class EnvRollout:
         responses: one response per trajectory (``prompt_index`` = its position).
         scores: (P * G,) float32 returns.
         seed_index: (P * G,) int64 the seed (position in the step's prompts) of each row: the GRPO group.
-        metrics: ``env/*`` (``rollout.trajectory.trajectory_metrics``).
+        metrics: ``env/*`` (``rollout.trajectory.trajectory_metrics``) and, scored in the rollout,
+            ``envs/turn_scoring_*`` (``runtime/env_window.py``).
+        log_probs: what the rollout scored already: role -> row -> (1, R_row) float32
+            (``RolloutResult.log_probs``; empty under ``serial``).
     """
 
     trajectories: list[Trajectory]
@@ -65,6 +69,7 @@ class EnvRollout:
     scores: torch.Tensor
     seed_index: torch.Tensor
     metrics: dict[str, float]
+    log_probs: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def trajectory_row(t: Trajectory, index: int) -> tuple[PromptSample, Response]:
@@ -90,20 +95,31 @@ def trajectory_row(t: Trajectory, index: int) -> tuple[PromptSample, Response]:
 
 
 def env_rollout(cfg: Config, workers, prompts: list[PromptSample], step: int, version: int,
-                timeline: Timeline) -> EnvRollout:
+                timeline: Timeline, roles: Optional[list[str]] = None, old_rows: frozenset = frozenset()) -> EnvRollout:
     """G = ``rollout.n`` trajectories per seed of ``prompts`` under weights ``version`` (timed as
     ``gen``), as training rows (module docstring). Sampling seeds: (``rollout.seed`` + step,
     trajectory uid ``step<k>:<seed>/<g>``), so the same seeds give the same tokens whatever the
     schedule or the number of engines.
 
+    Args:
+        roles: None: the rollout only (``serial``); else the log-prob passes (``actor``, ``ref``) to
+            run turn by turn inside it (``rollplex``: ``runtime/env_window.py``), the ``actor`` pass
+            only for ``old_rows``.
+
     Raises:
         EnvError / ValueError: as ``TurnLoop.rollout`` and :func:`trajectory_row`.
     """
     seeds = [env_seed(p) for p in prompts]
-    params = sampling_params(cfg, step)
-    with timeline.span("gen", "rollout"):
-        trajectories = workers.rollout.rollout_envs(cfg.env, cfg.model.path, seeds, params, version,
-                                                    f"step{step}").result()
+    log_probs, more = {}, {}
+    if roles is None:
+        with timeline.span("gen", "rollout"):
+            trajectories = workers.rollout.rollout_envs(cfg.env, cfg.model.path, seeds, sampling_params(cfg, step),
+                                                        version, f"step{step}").result()
+    else:
+        from rollplex_train.runtime.env_window import overlapped_env_rollout
+
+        trajectories, log_probs, more = overlapped_env_rollout(cfg, workers, prompts, step, version, timeline,
+                                                               roles, set(old_rows))
     rows = [trajectory_row(t, i) for i, t in enumerate(trajectories)]
     position = {s: i for i, s in enumerate(seeds)}
     return EnvRollout(
@@ -112,7 +128,8 @@ def env_rollout(cfg: Config, workers, prompts: list[PromptSample], step: int, ve
         responses=[r for _, r in rows],
         scores=torch.tensor([t.episode_return for t in trajectories], dtype=torch.float32),
         seed_index=torch.tensor([position[t.env_seed] for t in trajectories], dtype=torch.long),
-        metrics=trajectory_metrics(trajectories),
+        metrics={**trajectory_metrics(trajectories), **more},
+        log_probs=log_probs,
     )
 
 

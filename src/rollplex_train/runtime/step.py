@@ -32,6 +32,7 @@ import torch
 from rollplex_train.algo.rewards import RewardManager
 from rollplex_train.config import Config
 from rollplex_train.data.types import PromptSample, Response, TrainBatch
+from rollplex_train.memory.executor import PhaseResidency, enter_phase
 from rollplex_train.runtime import batching
 from rollplex_train.runtime.envs import env_rollout, turn_logprob_mismatch
 from rollplex_train.runtime.old_policy import groups_per_mini_batch, old_pass_groups
@@ -87,6 +88,7 @@ class Run:
         self.cfg, self.workers, self.reward, self.pad_id = cfg, workers, reward, pad_id
         self.decode, self.old_from_actor = decode, old_from_actor
         self.weights_version = 0
+        self.residency = PhaseResidency.from_config(cfg)  # the memory plan the phases execute (memory/executor.py)
         self.sharing_metrics = share_weights(workers) if cfg.sharing.enabled else {"sharing/shared_bytes_frac": 0.0}
 
     def place(self, prompts: list[PromptSample]):
@@ -167,16 +169,20 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
     """
     cfg, w, tl = run.cfg, run.workers, Timeline()
     version, num = run.weights_version, len(prompts)
-    offload = ("optimizer",) if cfg.memory.offload_optimizer else ()
     imbalance: dict[str, float] = {}
+    memory: dict[str, float] = {}  # memory/<phase>/<group>_gib as the engines measure them (memory/executor.py)
     envs, groups = None, None
     with timer("step", tl.seconds):
-        offloaded = w.train.offload_states(offload) if offload else None  # leaves the device as decode starts
+        enter_phase(w, run.residency, "rollout_decode", memory)  # what decode does not use leaves the device
         if cfg.env.name:  # trajectories: one row (and prompt) each, placed once they exist (runtime/envs.py)
-            envs = env_rollout(cfg, w, prompts, step, version, tl)
+            roles, rows = None, frozenset()
+            if cfg.schedule.name == "rollplex":  # each turn's context scored while it decodes (runtime/env_window.py)
+                rows = frozenset(old_pass_groups(cfg, num * cfg.rollout.n, run.old_from_actor))
+                roles = (["actor"] if rows else []) + (["ref"] if cfg.algorithm.needs_reference else [])
+            envs = env_rollout(cfg, w, prompts, step, version, tl, roles, rows)
             prompts, num, groups = envs.prompts, len(envs.prompts), envs.seed_index
             placed = run.place(prompts)
-            rollout = RolloutResult(envs.responses, metrics=envs.metrics)
+            rollout = RolloutResult(envs.responses, envs.log_probs, metrics=envs.metrics)
         else:
             placed = run.place(prompts)
             rollout = run.decode.rollout(placed, step, version, tl)
@@ -187,6 +193,7 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
             with tl.span("reward", "driver"):
                 scores, failed, metrics = batching.score_responses(run.reward, batch, rollout.responses)
         metrics.update(rollout.metrics)
+        enter_phase(w, run.residency, "old_log_prob", memory)
         old = None
         old_groups = old_pass_groups(cfg, num, run.old_from_actor)
         tl.seconds["old_log_prob"] = 0.0  # 0 s when the phase runs inside the update (verl's key kept)
@@ -194,6 +201,7 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
             with tl.span("old_log_prob", "train"):
                 old, more = log_prob_phase(run, placed, batch, "actor", old_groups, rollout.log_probs.get("actor", {}))
                 imbalance.update(more)
+        enter_phase(w, run.residency, "ref_log_prob", memory)
         ref = None
         if cfg.algorithm.needs_reference:
             with tl.span("ref", "train"):
@@ -206,17 +214,18 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
             metrics.update(more)
         batch = dataclasses.replace(batch, reward_failed=failed, old_logprobs=old, ref_logprobs=ref,
                                     advantages=advantages)
-        if offload:
-            with tl.span("prefetch", "train"):
-                metrics["memory/offloaded_bytes"] = float(offloaded.result())
-                metrics["memory/prefetched_bytes"] = float(w.train.prefetch_states(offload).result())
+        with tl.span("prefetch", "train"):
+            enter_phase(w, run.residency, "actor_update", memory)
         with tl.span("update_actor", "train"):
             pending = w.train.update_actor(batch, placed, cfg.rollout.temperature, run.old_from_actor)
             metrics.update(pending.result())
             imbalance["timing_s/update_actor_imbalance"] = pending.imbalance()
+        enter_phase(w, run.residency, "weight_sync", memory)
         with tl.span("update_weights", "rollout"):
             sync_metrics = run.sync_weights(version + 1)
-    run.decode.observe(rollout, batch, placed, tl)
+    metrics.update(memory)
+    if envs is None:  # the planner's cost model learns from single-turn steps only
+        run.decode.observe(rollout, batch, placed, tl)
     computed = batch.rows_of(old_groups) if old_groups else None  # rows whose old log-probs were computed
     return StepResult(report(run, batch, rollout.responses, tl, metrics, imbalance, sync_metrics, computed), tl,
                       batch, rollout.responses, scores)

@@ -92,7 +92,7 @@ def memory_copies(config: "Config", hf: Any, layout_name: str) -> Optional[dict[
     (``serial`` / ``rollplex`` groups of ``memory/groups.py``) over PCIe; None if that plan does not
     fit the device budget."""
     from rollplex_train.memory.groups import PHASES, step_groups
-    from rollplex_train.memory.report import budget_bytes
+    from rollplex_train.memory.step_plan import budget_bytes
     from rollplex_train.memory.residency import phases_from_groups, plan_residency
 
     groups = step_groups(config, hf, layout_name)

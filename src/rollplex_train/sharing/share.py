@@ -137,6 +137,7 @@ class WeightShare:
         self.remote_bytes = sum(tp.remote_bytes for tp in plans.values())
         self.rollout_bytes = sum(tp.nbytes for tp in plans.values())
         self.device = next(iter(local.values())).device
+        self._train_storages = {t.untyped_storage().data_ptr() for t in local.values()}
         self.version = WeightsVersion()
         log.info("rollout rank %d of %s r=%d shared: %d tensors, %.1f MB as views, %.1f MB rebuilt per sync "
                  "(%.1f MB from other ranks)", self.rollout_rank, rollout_kind, self.rollout_tp, len(plans),
@@ -146,6 +147,14 @@ class WeightShare:
     def tensors(self) -> dict[str, torch.Tensor]:
         """``{rollout name: tensor}`` of this device's rollout rank (views and buffers)."""
         return self.materializer.tensors
+
+    def rebuilt_device_bytes(self) -> int:
+        """Bytes of the storages behind this device's rollout tensors that are not the training
+        tensors' (the rebuilt and gathered buffers: the ``rollout_rebuilt`` group of
+        ``memory/groups.py``), measured from the tensors themselves."""
+        from rollplex_train.memory.measure import live_tensor_bytes
+
+        return live_tensor_bytes(t for t in self.tensors.values() if t.untyped_storage().data_ptr() not in self._train_storages)
 
     def export(self) -> dict:
         """The hand-over for the rollout rank on this device (load it once, while this process

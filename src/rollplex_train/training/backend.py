@@ -115,7 +115,8 @@ class ModelBackend(Protocol):
         """One optimizer step at learning rate ``lr`` (the loop's schedule)."""
 
     def offload(self, parts: tuple[str, ...]) -> int:
-        """Move ``parts`` (``optimizer``, ...) to host memory; returns the bytes moved.
+        """Move ``parts`` (``optimizer``: the Adam states, ``ref``: the reference's parameters,
+        ``params``: the actor's where the backend can) to host memory; returns the bytes moved.
 
         Raises:
             ValueError: a part this backend cannot move.
@@ -123,6 +124,13 @@ class ModelBackend(Protocol):
 
     def onload(self, parts: tuple[str, ...]) -> int:
         """Bring offloaded ``parts`` back to the device (done when it returns); returns the bytes."""
+
+    def release_grads(self) -> None:
+        """Free the gradients' device memory until the next update (after its last optimizer step)."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Device bytes the groups ``actor_weights``, ``master_weights``, ``optimizer_states``,
+        ``grads``, ``ref_weights`` (``memory/groups.py``) hold now, measured from the tensors."""
 
     def rollout_weights(self) -> dict[str, torch.Tensor]:
         """The actor under the built-in rollout engine's HF names, full tensors."""

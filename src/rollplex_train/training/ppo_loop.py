@@ -24,6 +24,7 @@ import torch
 from rollplex_train.algo.losses import agg_loss, kl_loss, policy_loss
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.data.types import TrainBatch
+from rollplex_train.memory.step_plan import STATE_ROWS
 from rollplex_train.models.loading import has_dropout
 from rollplex_train.training.base import ChunkResult, PrefixResult, TrainEngine
 from rollplex_train.training.log_probs import ResponseScorer
@@ -77,6 +78,8 @@ class PPOEngine(TrainEngine):
         self._shared = None  # sharing.share.WeightShare once export_shared_weights() ran
         # the class declares it (the config asks the registry); the backend must agree
         assert self.supports_suffix_chunks == (backend.prefix_passes.chunked is not None), type(self).__name__
+        self._offloaded: set[str] = set()  # backend parts on the host now
+        self._step_memory: Optional[dict[str, int]] = None
 
     # ---- scoring ----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -186,6 +189,7 @@ class PPOEngine(TrainEngine):
         count = 0
         if self._shared is not None:  # in-place writes ahead: the rollout refuses until publish_weights
             self._shared.begin_update()
+        self._step_memory = None  # measured at this update's first optimizer step
         self.actor.train()
         for epoch in range(self.cfg.ppo_epochs):
             for index, spec in enumerate(specs):
@@ -196,10 +200,15 @@ class PPOEngine(TrainEngine):
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         self.actor.eval()
+        self.backend.release_grads()  # the gradients live inside the update only (memory/groups.py)
         self.scorer.drop_stale(self.param_version)
         self.weights_version += 1
         out = {k: v / count for k, v in sums.items()}
         out["actor/lr"] = self.cfg.lr * lr_factor(self.optimizer_steps, self.cfg)  # the next step's
+        if self._step_memory is not None:  # the update's and the optimizer step's rows (memory/step_plan.py)
+            out["memory/actor_update/grads_gib"] = self._step_memory["grads"] / 2**30
+            out.update({f"memory/optimizer_step/{g}_gib": b / 2**30 for g, b in self._step_memory.items()
+                        if g in STATE_ROWS})
         return out
 
     def _update_mini_batch(self, batch: TrainBatch, rows: torch.Tensor, use_kl: bool, temperature: float,
@@ -243,6 +252,8 @@ class PPOEngine(TrainEngine):
         grad_norm = backend.clip_grad_norm(cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         if math.isfinite(grad_norm):
             backend.optimizer_step(cfg.lr * lr_factor(self.optimizer_steps, cfg))
+            if self._step_memory is None:  # the states exist from the first step on; the grads are still held
+                self._step_memory = self.memory_bytes()
             self.optimizer_steps += 1
             self.param_version += 1
         else:
@@ -297,20 +308,59 @@ class PPOEngine(TrainEngine):
         if "params" in parts and self._shared is not None:
             raise ValueError("cannot offload the actor's parameters: the rollout engine decodes with them "
                              "(sharing.enabled=true)")
-        return self.backend.offload(tuple(parts))
+        moved = self.backend.offload(tuple(parts))
+        self._offloaded.update(parts)
+        return moved
 
     def prefetch_states(self, parts: tuple[str, ...]) -> int:
+        self._offloaded.difference_update(parts)
         return self.backend.onload(tuple(parts))
+
+    # ---- residency ------------------------------------------------------------------------------
+    PARTS_OF_GROUP = {"actor_weights": "params", "optimizer_states": "optimizer", "ref_weights": "ref"}
+    """The residency groups (``memory/groups.py``) this engine moves, and the backend part of each."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Device bytes each group of this rank holds now, from its tensors: the backend's
+        (``ModelBackend.memory_bytes``), the rebuilt rollout buffers and the held prefix KV caches."""
+        out = self.backend.memory_bytes()
+        out["rollout_rebuilt"] = 0 if self._shared is None else self._shared.rebuilt_device_bytes()
+        out["old_prefix_kv"], out["ref_prefix_kv"] = self.prefixes.kv_bytes("old"), self.prefixes.kv_bytes("ref")
+        return out
+
+    def enter_phase(self, phase: str, resident: dict[str, bool]) -> dict:
+        """Start ``phase`` of the run's residency plan (``memory/executor.py``): move each group of
+        ``resident`` (a key of ``PARTS_OF_GROUP``) onto the device (True) or to host memory (False).
+
+        Returns:
+            ``closing``: the groups' bytes before the moves (the previous phase's end: what it
+            made), ``rows``: after them, ``offloaded``/``prefetched``: bytes moved.
+
+        Raises:
+            KeyError: a group this engine does not move. ValueError: as :meth:`offload_states`.
+        """
+        closing, off, on = self.memory_bytes(), 0, 0
+        for group, keep in resident.items():
+            part = self.PARTS_OF_GROUP[group]
+            if keep and part in self._offloaded:
+                on += self.prefetch_states((part,))
+            elif not keep and part not in self._offloaded:
+                off += self.offload_states((part,))
+        return {"closing": closing, "rows": self.memory_bytes(), "offloaded": off, "prefetched": on}
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, directory: Path) -> None:
+        away = tuple(self._offloaded)  # the states are written from the device: bring them back meanwhile
+        self.prefetch_states(away)
         self.backend.save(Path(directory), {"weights_version": self.weights_version,
                                             "optimizer_steps": self.optimizer_steps,
                                             "torch_rng": torch.get_rng_state()})
+        self.offload_states(away)
 
     def load_checkpoint(self, directory: Path) -> None:
         if self._shared is not None:  # the load writes into the shared storage in place
             self._shared.begin_update()
+        self.prefetch_states(tuple(self._offloaded))  # loaded onto the device; the next phase moves them
         state = self.backend.load(Path(directory))
         self.weights_version = int(state["weights_version"])
         # checkpoints written before the loop split keep the count as their LambdaLR's last_epoch

@@ -88,6 +88,13 @@ class PrefixStore:
         """Bytes of all held states (KV caches, last hidden states, saved activations)."""
         return sum(s.nbytes for s in self._states.values())
 
+    def kv_bytes(self, role: str) -> int:
+        """Bytes of the KV caches (keys and values) of the held ``role`` states: the
+        ``old_prefix_kv``/``ref_prefix_kv`` groups of ``memory/groups.py``."""
+        from rollplex_train.memory.measure import live_tensor_bytes
+
+        return live_tensor_bytes(t for k, s in self._states.items() if k.role == role for t in (*s.keys, *s.values))
+
     def describe(self) -> list[dict]:
         """One row per held state: uid, role, version, bytes, owner."""
         return [

@@ -61,7 +61,7 @@ class TorchBackend:
         self.optimizer = torch.optim.AdamW(self.params, lr=actor.lr, betas=tuple(actor.betas),
                                            weight_decay=actor.weight_decay)
         self.prefix_passes = PrefixFunctions(encode_prefix, score_suffix, ChunkedSuffix)  # models.prefix
-        self._offloader = None  # memory.offload.ModuleOffloader on first offload()
+        self._offloader = self._ref_offloader = None  # memory.offload.ModuleOffloader on first offload()
 
     # ---- model calls ------------------------------------------------------------------------------
     def score_full(self, model, part, *, temperature: float, with_entropy: bool):
@@ -91,20 +91,50 @@ class TorchBackend:
         self.optimizer.step()
 
     # ---- memory -----------------------------------------------------------------------------------
-    def offload(self, parts: tuple[str, ...]) -> int:
-        """``params``, ``grads``, ``optimizer`` to host (``memory.offload.ModuleOffloader``)."""
-        if self._offloader is None:
-            from rollplex_train.memory.offload import ModuleOffloader
+    def _offloaders(self, parts: tuple[str, ...]) -> list[tuple[object, tuple[str, ...]]]:
+        """``(memory.offload.ModuleOffloader, its parts)`` for ``parts``: the actor's ``params``,
+        ``grads``, ``optimizer``; ``ref``: the reference's parameters (made on first use)."""
+        from rollplex_train.memory.offload import PARTS, ModuleOffloader
 
+        unknown = set(parts) - set(PARTS) - {"ref"}
+        if unknown:
+            raise ValueError(f"unknown part(s) {sorted(unknown)}: expected any of {[*PARTS, 'ref']}")
+        if self._offloader is None:
             self._offloader = ModuleOffloader(self.actor, self.optimizer)
-        return self._offloader.offload(parts)
+        out = [(self._offloader, tuple(p for p in parts if p != "ref"))]
+        if "ref" in parts and self.ref is not None:
+            if self._ref_offloader is None:
+                self._ref_offloader = ModuleOffloader(self.ref)
+            out.append((self._ref_offloader, ("params",)))
+        return out
+
+    def offload(self, parts: tuple[str, ...]) -> int:
+        """``params``, ``grads``, ``optimizer`` (the actor's) and ``ref`` to host memory
+        (``memory.offload.ModuleOffloader``); returns the bytes moved."""
+        return sum(o.offload(p) for o, p in self._offloaders(parts) if p)
 
     def onload(self, parts: tuple[str, ...]) -> int:
-        if self._offloader is None:
-            return 0
-        pending = self._offloader.prefetch(parts)
-        pending.wait()
-        return pending.nbytes
+        moved = 0
+        for offloader, sub in self._offloaders(parts):
+            if sub:
+                pending = offloader.prefetch(sub)
+                pending.wait()
+                moved += pending.nbytes
+        return moved
+
+    def release_grads(self) -> None:
+        """Nothing to free: ``zero_grad`` drops the gradients (``set_to_none``) after each step."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Device bytes of ``actor_weights``, ``master_weights`` (none: AdamW steps the parameters
+        themselves), ``optimizer_states``, ``grads``, ``ref_weights`` (``memory/groups.py``),
+        measured from the tensors."""
+        from rollplex_train.memory.measure import live_tensor_bytes
+
+        states = (v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+        return {"actor_weights": live_tensor_bytes(self.actor.parameters()), "master_weights": 0,
+                "optimizer_states": live_tensor_bytes(states), "grads": live_tensor_bytes(p.grad for p in self.params),
+                "ref_weights": 0 if self.ref is None else live_tensor_bytes(self.ref.parameters())}
 
     # ---- weights ----------------------------------------------------------------------------------
     def rollout_weights(self) -> dict[str, torch.Tensor]:

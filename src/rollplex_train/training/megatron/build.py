@@ -2,8 +2,8 @@
 
 ``init_parallel`` brings up megatron-core's TP/DP/PP groups from a ``ParallelLayout`` (the worker
 has already joined the default group when the layout spans several ranks; a single process gets a
-one-rank gloo group here). ``build_model`` loads a local HF checkpoint, keeps its vision tower and
-converts its language model into this rank's ``GPTModel`` shard.
+one-rank gloo group here). ``build_model`` loads a local HF checkpoint, converts its language model
+into this rank's ``GPTModel`` shard and splits its vision tower over TP (``vision.py``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import torch
 
 from rollplex_train.models.layouts import Dims, Layout
 from rollplex_train.models.loading import load_model
-from rollplex_train.models.megatron_convert import hf_to_megatron, megatron_layout
+from rollplex_train.models.megatron_convert import hf_to_megatron, megatron_layout, vision_shards
 from rollplex_train.sharing.plan import megatron_vocab_divisor
 from rollplex_train.training.megatron.model import (
     MegatronVLM, build_gpt_model, has_transformer_engine, transformer_config)
+from rollplex_train.training.megatron.vision import parallelize_vision
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ def build_model(path: str, dtype: str, attn_implementation: str, *, tp: int, pp:
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise RuntimeError(f"GPTModel keys not converted: missing={missing} unexpected={unexpected}")
+    parallelize_vision(hf.model.visual, vision_shards(full, layout, tp_rank), tp)
     hf.model.language_model = None  # replaced by the GPTModel; the shell keeps config + vision
     hf.lm_head = None
     model = MegatronVLM(hf, gpt, vocab)

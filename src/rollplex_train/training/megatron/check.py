@@ -112,7 +112,7 @@ def check_rank(rank: int, world: int, ckpt: str, prompts, out_dir: str) -> dict:
             ref = hf(input_ids=ids, attention_mask=mask, position_ids=position_ids, **vision_kwargs(vision)).logits
         real = mask.bool()
         logit_diff = max(logit_diff, float((ours[real] - ref[real]).abs().max()))
-        engine.backend.ddp.zero_grad_buffer()
+        engine.backend.zero_grad()  # the engine frees its grad buffers between updates: this brings them back
         full, _ = scoring.full_logprobs(model, prompts, group_index, rids, rmask, pad)
         (full * weights).sum().backward()
         g_full = _grads(engine)

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
 from rollplex_train.device import layout_device
 from rollplex_train.models.loading import load_model, load_tokenizer
-from rollplex_train.models.megatron_convert import gpt_key, is_language_model, layout_tensors, megatron_to_hf
+from rollplex_train.models.megatron_convert import join_ranks, layout_tensors
 from rollplex_train.parallel import ParallelLayout
 from rollplex_train.training.backend import PrefixFunctions
 from rollplex_train.training.base import register_train_engine
@@ -104,6 +104,9 @@ class MegatronBackend:
         self.dp_group = ps.get_data_parallel_group() if self.layout.train_dp > 1 else None
         self.prefix_passes = PrefixFunctions(scoring.encode_prefix, scoring.score_suffix)  # no chunks on TP shards
         self._offload: Optional[AdamStateOffload] = None
+        self._ref_offloader = None  # memory.offload.ModuleOffloader of the reference, on first use
+        self._grads_released = False
+        self.release_grads()  # no gradients exist before the first update (memory/groups.py)
 
     # ---- model calls ------------------------------------------------------------------------------
     def score_full(self, model, part, *, temperature: float, with_entropy: bool):
@@ -113,6 +116,9 @@ class MegatronBackend:
 
     # ---- gradients and optimizer ------------------------------------------------------------------
     def zero_grad(self) -> None:
+        if self._grads_released:  # the first mini-batch of an update: the buffers come back zeroed
+            self.ddp.restore_grad_buffers(synchronize=self.device.type == "cuda")
+            self._grads_released = False
         self.ddp.zero_grad_buffer()  # main grads accumulate over one mini-batch's micro-batches only
         self.optimizer.zero_grad()
 
@@ -134,20 +140,63 @@ class MegatronBackend:
 
     # ---- memory -----------------------------------------------------------------------------------
     def offload(self, parts: tuple[str, ...]) -> int:
-        """The Adam states to host (``memory.offload_optimizer``); weights and DDP's gradient
-        buffers stay on the device.
+        """The Adam states (``optimizer``) and the reference's parameters (``ref``) to host memory;
+        returns the bytes moved. The actor's parameters stay (DDP's buffers and the rollout hold
+        them); its gradient buffers are freed after each update (:meth:`release_grads`).
 
         Raises:
-            ValueError: a part other than ``optimizer``.
+            ValueError: another part.
         """
-        if set(parts) - {"optimizer"}:
-            raise ValueError(f"actor.backend=megatron offloads only its optimizer states, not {sorted(set(parts) - {'optimizer'})}")
-        if self._offload is None:
-            self._offload = AdamStateOffload(self.actor, self.optimizer)
-        return self._offload.offload() if parts else 0
+        if set(parts) - {"optimizer", "ref"}:
+            raise ValueError(f"actor.backend=megatron moves its optimizer states and reference only, not "
+                             f"{sorted(set(parts) - {'optimizer', 'ref'})}")
+        moved = self._adam_offload().offload() if "optimizer" in parts else 0
+        if "ref" in parts and self.ref is not None:
+            moved += self._ref_offload().offload(("params",))
+        return moved
 
     def onload(self, parts: tuple[str, ...]) -> int:
-        return 0 if self._offload is None or "optimizer" not in parts else self._offload.onload()
+        moved = self._adam_offload().onload() if "optimizer" in parts else 0
+        if "ref" in parts and self.ref is not None:
+            pending = self._ref_offload().prefetch(("params",))
+            pending.wait()
+            moved += pending.nbytes
+        return moved
+
+    def _adam_offload(self) -> AdamStateOffload:
+        if self._offload is None:
+            self._offload = AdamStateOffload(self.actor, self.optimizer)
+        return self._offload
+
+    def _ref_offload(self):
+        from rollplex_train.memory.offload import ModuleOffloader
+
+        if self._ref_offloader is None:
+            self._ref_offloader = ModuleOffloader(self.ref)
+        return self._ref_offloader
+
+    def release_grads(self) -> None:
+        """Free DDP's gradient buffers until the next update (megatron-core 0.16.1
+        ``DistributedDataParallel.offload_grad_buffers``: the storage is resized to 0, every
+        ``main_grad`` view stays a valid object); :meth:`zero_grad` brings them back, zeroed."""
+        if not self._grads_released:
+            self.ddp.offload_grad_buffers(synchronize=self.device.type == "cuda", empty_cache=False)
+            self._grads_released = True
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Device bytes of ``actor_weights``, ``master_weights`` (the distributed optimizer's fp32
+        main parameters; none with AdamW on the parameters themselves), ``optimizer_states``,
+        ``grads`` (DDP's buffers), ``ref_weights`` (``memory/groups.py``), from the tensors."""
+        from rollplex_train.memory.measure import live_tensor_bytes
+
+        own = {p.untyped_storage().data_ptr() for p in self.actor.parameters()}
+        inner = self.optimizer.inner()
+        main = [p for o in inner for g in o.param_groups for p in g["params"] if p.untyped_storage().data_ptr() not in own]
+        states = [v for o in inner for s in o.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        grads = [b.grad_data for b in self.ddp.buffers] + [p.grad for p in self.params]
+        return {"actor_weights": live_tensor_bytes(self.actor.parameters()), "master_weights": live_tensor_bytes(main),
+                "optimizer_states": live_tensor_bytes(states), "grads": live_tensor_bytes(grads),
+                "ref_weights": 0 if self.ref is None else live_tensor_bytes(self.ref.parameters())}
 
     # ---- weights ----------------------------------------------------------------------------------
     def _gather_tp(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -162,16 +211,13 @@ class MegatronBackend:
         return layout_tensors(gpt, vision, self.conversion, self.tp_rank, self.te_names)
 
     def hf_state(self) -> dict[str, torch.Tensor]:
-        """Full HF tensors of the actor (language model joined over TP; collective), new storage."""
+        """Full HF tensors of the actor (split tensors joined over TP; collective), new storage."""
         local = self.local_tensors()
         ranks = [{} for _ in range(self.layout.train_tp)]
-        for name, tensor in local.items():
-            if is_language_model(self.conversion.ranks[self.tp_rank][name].blocks[0].source):
-                for i, part in enumerate(self._gather_tp(tensor)):
-                    ranks[i][gpt_key(name, self.te_names)] = part
-        out = megatron_to_hf(ranks, self.conversion, self.te_names)
-        out.update({n: t.clone() for n, t in local.items() if not is_language_model(n)})
-        return out
+        for name, tensor in local.items():  # every rank holds the same names (layouts.py)
+            for i, part in enumerate(self._gather_tp(tensor)):
+                ranks[i][name] = part
+        return join_ranks(ranks, self.conversion)
 
     def share_plan(self, rollout_kind: str, rollout_tp: int, **options):
         """``sharing.plan.plan_sharing`` from this backend's Megatron layout (t = TP) to

@@ -161,7 +161,7 @@ class MegatronVLM(torch.nn.Module):
     ``get_image_features``) is kept unregistered as ``hf``.
 
     Attributes:
-        visual: the HF vision tower (replicated on every TP rank).
+        visual: the HF vision tower, TP-split in SGLang's arrangement (``vision.py``).
         language_model: the mcore ``GPTModel`` (TP-sharded).
         vocab_size: real vocabulary rows (the padded ones are masked out of every softmax).
     """

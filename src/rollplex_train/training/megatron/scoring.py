@@ -140,7 +140,7 @@ def encode_prefix(model: MegatronVLM, prompts: list[PromptSample], *, version, w
             hidden = model.decode(decoder_input, position_ids, causal_padding_mask(mask))  # [Lp, P, H]
         finally:
             ctx.mode = None
-    layers = [ctx.recorded[i] for i in range(len(ctx.recorded))]
+    layers = [(_own(k), _own(v)) for k, v in (ctx.recorded[i] for i in range(len(ctx.recorded)))]
     ctx.recorded = {}
     per_prompt_bytes = counter.bytes // max(len(prompts), 1)
     graph_id = next(_GRAPH_IDS) if with_grad else None
@@ -155,6 +155,12 @@ def encode_prefix(model: MegatronVLM, prompts: list[PromptSample], *, version, w
             requires_grad=with_grad, saved_bytes=per_prompt_bytes if with_grad else 0, graph_id=graph_id,
         ))
     return states
+
+
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in storage of its own: mcore's values (and keys without RoPE) are views of the layer's
+    fused ``linear_qkv`` output, whose queries a kept view would hold alive too."""
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
 
 
 def score_suffix(model: MegatronVLM, states: list[PrefixState], group_index: torch.Tensor,
