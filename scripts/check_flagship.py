@@ -76,10 +76,10 @@ def compose(*overrides: str):
     from hydra import compose as hydra_compose, initialize_config_dir
 
     from rollplex_train.cli import conf_dir
-    from rollplex_train.config import register_configs, to_config
+    from rollplex_train.config import hydra_version_base, register_configs, to_config
 
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         return to_config(hydra_compose(config_name="config", overrides=[f"+experiment={EXPERIMENT}",
                                                                      "trainer.output_dir=unused", *overrides]))
 

@@ -28,10 +28,10 @@ def _config(*overrides):
     from hydra import compose, initialize_config_dir
 
     from rollplex_train.cli import conf_dir
-    from rollplex_train.config import register_configs, to_config
+    from rollplex_train.config import hydra_version_base, register_configs, to_config
 
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         return to_config(compose(config_name="config", overrides=["+experiment=flagship_cpu",
                                                                   "trainer.output_dir=/tmp/unused", *overrides]))
 

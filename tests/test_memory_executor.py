@@ -8,7 +8,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from rollplex_train.cli import conf_dir
-from rollplex_train.config import register_configs, to_config
+from rollplex_train.config import hydra_version_base, register_configs, to_config
 from rollplex_train.memory.executor import PhaseResidency
 from rollplex_train.memory.offload import StorageOffload
 from rollplex_train.memory.step_plan import max_rel_err, plan_rows, row
@@ -16,7 +16,7 @@ from rollplex_train.memory.step_plan import max_rel_err, plan_rows, row
 
 def _config(*overrides):
     register_configs()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(conf_dir()), **hydra_version_base()):
         return to_config(compose(config_name="config", overrides=["trainer.output_dir=/tmp/unused", *overrides]))
 
 
