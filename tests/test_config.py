@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
@@ -95,3 +96,26 @@ def test_cosine_schedule_decays_over_the_whole_run():
     assert not math.isnan(sum(steps))
     constant = _compose(["+experiment=tiny_cpu", "actor.lr_scheduler=constant"]).actor
     assert constant.lr_decay_steps == -1 and lr_factor(10**6, constant) == 1.0
+
+
+def test_the_32b_experiment_passes_every_check_before_ray_on_tiny_assets(tmp_path, monkeypatch, embedded_assets):
+    """``rollplex-train +experiment=qwen25vl32b_embodied`` with its checkpoint and data paths pointed at
+    the tiny assets: the trainer is built (config, derived values, the engines' capability checks,
+    the residency plan at 80 GiB, the data) and only this machine's lack of SGLang and GPUs would
+    stop it, which is what is patched here (SGLang's check keeps its config half)."""
+    import ray
+
+    from rollplex_train.paths import resolve_config_paths
+    from rollplex_train.rollout import sglang
+    from rollplex_train.rollout.base import ROLLOUT_ENGINES
+    from rollplex_train.trainer import Trainer
+
+    tasks, ckpt = embedded_assets
+    cfg = _compose(["+experiment=qwen25vl32b_embodied", f"model.path={ckpt}", f"data.train_files={tasks}/train.parquet",
+                    f"data.val_files={tasks}/val.parquet"])
+    monkeypatch.setattr(ROLLOUT_ENGINES.get("sglang"), "check_available", staticmethod(sglang.check_config))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    trainer = Trainer(resolve_config_paths(cfg, conf_dir().parent), tmp_path)
+    assert (trainer.cfg.rollout.name, trainer.cfg.rollout.tensor_parallel_size, trainer.cfg.actor.backend,
+            trainer.cfg.sharing.enabled, trainer.cfg.schedule.name) == ("sglang", 4, "megatron", True, "rollplex")
+    assert len(trainer.train_set) > 0 and not ray.is_initialized()

@@ -445,6 +445,110 @@ def test_settings_the_sglang_engine_cannot_honour_are_refused():
         check_config(Config(rollout=RolloutConfig(name="sglang")))
     with pytest.raises(ValueError, match="model.attn_implementation='eager'"):
         check_config(Config(**ok, model=ModelConfig(attn_implementation="eager")))
-    with pytest.raises(ValueError, match="rollout.tensor_parallel_size=2"):
-        check_config(Config(cluster=ClusterConfig(device="cuda", devices_per_node=2),
-                            rollout=RolloutConfig(name="sglang", tensor_parallel_size=2)))
+    check_config(Config(cluster=ClusterConfig(device="cuda", devices_per_node=2),  # one engine per TP group
+                        rollout=RolloutConfig(name="sglang", tensor_parallel_size=2)))
+
+
+def test_an_engine_over_a_tp_group_starts_on_its_consecutive_gpus():
+    from rollplex_train.rollout.sglang import engine_placement
+
+    assert engine_placement(2, 2) == {"tp_size": 2, "base_gpu_id": 2}  # in process: the run's own numbering
+    assert engine_placement(4, 0, [4, 5, 6, 7]) == {"tp_size": 4, "base_gpu_id": 4}  # Ray ids, all GPUs seen
+    assert engine_placement(2, 0, [6, 7], visible="4,5,6,7") == {"tp_size": 2, "base_gpu_id": 2}  # SLURM's subset
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=2: SGLang runs its TP ranks on consecutive "
+                                         r"GPUs, the group's devices are GPUs \[0, 2\]"):
+        engine_placement(2, 0, [4, 6], visible="4,5,6,7")
+
+
+def test_the_rollout_worker_starts_sglang_over_its_tp_group(monkeypatch, tiny_ckpt_qwen25):
+    from rollplex_train.cluster import workers
+    from rollplex_train.config import ModelConfig
+    from rollplex_train.parallel import ParallelLayout
+
+    started = []
+
+    class Started:
+        weights_version = 0
+
+        def set_compute_share(self, threads):
+            pass
+
+    monkeypatch.setattr(workers, "create_rollout_engine", lambda name, **kw: started.append((name, kw)) or Started())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    layout = ParallelLayout(devices_per_node=8, device="cuda", train_tp=4, rollout_tp=4)
+    workers.RolloutWorker("sglang", ModelConfig(path=str(tiny_ckpt_qwen25)), 1, 64, layout=layout, device_index=4,
+                          engine_gpus=[4, 5, 6, 7])
+    (name, kw), = started
+    assert name == "sglang" and (kw["tp_size"], kw["base_gpu_id"]) == (4, 4) and "device" not in kw
+
+
+def test_a_tp_group_engine_pushes_every_ranks_exported_tensors(tiny_ckpt_qwen25, mixed_prompts):
+    """At rollout TP 2 one SGLang engine maps the exports of both devices (each rank's sglang-layout
+    tensors, views of the actor where the plan allows) and sends rank k exactly SGLang's rank-k shard
+    of the actor's weights; the bytes mapped are the trainers' views + rebuilds."""
+    import pickle
+
+    from rollplex_train.config import ActorConfig, AlgorithmConfig, ModelConfig
+    from rollplex_train.rollout.sglang import SGLangRolloutEngine
+    from rollplex_train.rollout.sglang_weights import shard_state_dict
+    from rollplex_train.training.torch_engine import TorchTrainEngine
+
+    trainers = [TorchTrainEngine(ModelConfig(path=str(tiny_ckpt_qwen25)), ActorConfig(lr=1e-3), AlgorithmConfig(),
+                                 seed=1, rank=rank) for rank in (0, 1)]
+    exports = [t.export_shared_weights(rollout_kind="sglang", rollout_tp=2) for t in trainers]
+    engine = RecordingEngine(eos=2)
+    adapter = SGLangRolloutEngine(str(tiny_ckpt_qwen25), tp_size=2, engine=engine,
+                                  wrap=lambda values: ("LocalSerializedTensor", values), bucket_bytes=256 * 1024)
+    with pytest.raises(ValueError, match="3 rank exports for an SGLang engine of TP 2"):
+        adapter.map_shared_weights(([e["payload"] for e in exports] * 2)[:3])
+    mapped = adapter.map_shared_weights([e["payload"] for e in exports])
+    assert mapped == sum(e["view_bytes"] + e["rebuild_bytes"] for e in exports) and adapter.weights_version == 0
+    sent = {n: [pickle.loads(v) for v in values] for c in engine.calls if c[0] == "update_weights_from_tensor"
+            for n, (_, values) in c[1][0]}
+    full = {n: p.detach() for n, p in trainers[0].actor.named_parameters()}
+    for rank in (0, 1):
+        want = shard_state_dict(full, adapter.layout, rank)
+        assert sorted(want) == sorted(sent) and all(torch.equal(sent[n][rank], want[n]) for n in want)
+    with pytest.raises(StaleWeightsError, match="not newer"):
+        adapter.sync_shared_weights(0)
+    assert len(adapter.generate(mixed_prompts, SamplingParams(), weights_version=0)) == 3
+
+
+def test_the_run_hands_an_engine_over_a_tp_group_every_devices_weights():
+    """SGLang at rollout TP 2 on 4 devices: one worker per engine maps the exports of both of its
+    devices (rank order) and syncs with both devices' publish results; the driver checks the bytes
+    against both exports (``runtime.step.share_weights``)."""
+    from types import SimpleNamespace
+
+    from rollplex_train.cluster.executors import InProcessExecutor
+    from rollplex_train.cluster.groups import RolloutGroup
+    from rollplex_train.parallel import ParallelLayout
+    from rollplex_train.runtime.protocol import Pending
+    from rollplex_train.runtime.step import share_weights
+
+    class Worker:  # the RolloutWorker calls the group makes, recorded
+        def __init__(self):
+            self.calls = []
+
+        def map_shared_weights(self, payload):
+            self.calls.append(("map", payload))
+            return sum(EXPORTS[p].view_bytes + EXPORTS[p].rebuild_bytes for p in payload)
+
+        def sync_shared_weights(self, version, published):
+            self.calls.append(("sync", version, published))
+            return {"sharing/copied_bytes": float(sum(p["sharing/rebuild_bytes"] for p in published))}
+
+    EXPORTS = {f"p{d}": SimpleNamespace(payload=f"p{d}", view_bytes=100 + d, rebuild_bytes=10, rollout_bytes=110 + d)
+               for d in range(4)}
+    ex = InProcessExecutor()
+    handles = [ex.spawn(Worker, (), device=2 * e, gpu_fraction=0) for e in range(2)]
+    layout = ParallelLayout(devices_per_node=4, rollout_tp=2)
+    group = RolloutGroup(ex, handles, layout)
+    assert [group.mapped_devices(e) for e in range(2)] == [[0, 1], [2, 3]]
+    train = SimpleNamespace(export_shared_weights=lambda: Pending([], lambda _: [EXPORTS[f"p{d}"] for d in range(4)]))
+    frac = share_weights(SimpleNamespace(train=train, rollout=group, layout=layout))
+    assert frac == {"sharing/shared_bytes_frac": pytest.approx((100 + 101 + 102 + 103) / (110 + 111 + 112 + 113))}
+    assert [h.obj.calls for h in handles] == [[("map", ["p0", "p1"])], [("map", ["p2", "p3"])]]
+    published = [{"sharing/rebuild_bytes": float(d)} for d in range(4)]
+    assert group.sync_shared_weights(3, published) == {"sharing/copied_bytes": 1.0}  # engine 0's: devices 0 + 1
+    assert handles[1].obj.calls[-1] == ("sync", 3, published[2:])

@@ -31,8 +31,10 @@ class InProcessExecutor:
 
     kind = "inprocess"
 
-    def spawn(self, cls, args: tuple, device: int, gpu_fraction: float, concurrency: int = 1) -> InProcessHandle:
-        """Build ``cls(*args)`` on the worker's own thread (torch thread settings are per thread)."""
+    def spawn(self, cls, args: tuple, device: int, gpu_fraction: float, concurrency: int = 1,
+              env_vars: Optional[dict[str, str]] = None) -> InProcessHandle:
+        """Build ``cls(*args)`` on the worker's own thread (torch thread settings are per thread);
+        ``env_vars`` are a separate process's (Ray's) and do not apply here."""
         handle = InProcessHandle(None, cls.__name__)
         handle.obj = handle.pool.submit(cls, *args).result()
         return handle
@@ -84,10 +86,11 @@ class RayExecutor:
     def __init__(self, placement):
         self.placement = placement
 
-    def spawn(self, cls, args: tuple, device: int, gpu_fraction: float, concurrency: int = 1):
+    def spawn(self, cls, args: tuple, device: int, gpu_fraction: float, concurrency: int = 1,
+              env_vars: Optional[dict[str, str]] = None):
         import ray
 
-        options = self.placement.actor_options(device, gpu_fraction)
+        options = self.placement.actor_options(device, gpu_fraction, env_vars)
         if concurrency > 1:
             options["max_concurrency"] = concurrency
         return ray.remote(cls).options(**options).remote(*args)

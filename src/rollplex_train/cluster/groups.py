@@ -188,7 +188,8 @@ class TrainGroup:
         """Per rank, the handles of the rollout tensors of its device (rank order); in one process
         the tensors themselves (``sharing.embedded.LocalWeights``). At rollout TP 1 the HF
         parameters (the built-in engine's names), above it each rollout rank's ``sglang``-layout
-        tensors (the built-in engine at TP > 1 binds them; SGLang runs at TP 1 here)."""
+        tensors (the built-in engine's rank binds its device's; SGLang's one worker per engine
+        pushes every rank's)."""
         kind = ("sglang",) if self.layout.rollout_tp > 1 else ()  # TP 1: the worker's default, hf
         return self._all("export_shared_weights", self.ex.kind == "inprocess", *kind, combine=list)
 
@@ -342,13 +343,29 @@ class RolloutGroup:
         (``RolloutWorker.enter_phase``); result: their reports."""
         return Pending([self.ex.call(h, "enter_phase", phase, resident) for h in self.all_handles], list)
 
+    def mapped_devices(self, engine: int) -> list[int]:
+        """The devices whose train ranks' exports engine ``engine``'s rank-0 worker maps: its first
+        device, or all of them for an engine with one worker over a TP group (SGLang at TP > 1)."""
+        devices = self.layout.rollout_devices(engine)
+        return devices if len(devices) > 1 and not self.followers[engine] else devices[:1]
+
+    def _on_engines(self, method: str, args_of) -> list:
+        """``method(*args_of(list of per-device items))`` where one worker runs an engine over its TP
+        group: that worker gets every device's item (rank order); else ``_on_devices``."""
+        if any(len(self.mapped_devices(e)) > 1 for e in range(len(self.handles))):
+            return Pending([self.ex.call(h, method, *args_of(self.mapped_devices(e)))
+                            for e, h in enumerate(self.handles)]).result()
+        return self._on_devices(method, lambda d: args_of([d]))
+
     def map_shared_weights(self, payloads: list[bytes]) -> list[int]:
         """Each rollout worker maps the weights of the train rank on its device (rank 0 of engine
-        ``e``: its first device); the bytes each engine's rank 0 mapped."""
-        return self._on_devices("map_shared_weights", lambda d: (payloads[d],))
+        ``e``: its first device; an engine with one worker over its TP group: the exports of all
+        its devices, rank order); the bytes each engine's rank 0 mapped."""
+        return self._on_engines("map_shared_weights", lambda ds: ([payloads[d] for d in ds] if len(ds) > 1
+                                                                  else payloads[ds[0]],))
 
     def sync_shared_weights(self, version: int, published: list[dict]) -> dict[str, float]:
-        return self._on_devices("sync_shared_weights", lambda d: (version, published[d]))[0]
+        return self._on_engines("sync_shared_weights", lambda ds: (version, [published[d] for d in ds]))[0]
 
     def update_weights(self, state_dicts: list[dict], version: int) -> dict[str, float]:
         """The pickled path: each rollout worker copies the state dict of its device's train rank."""

@@ -126,16 +126,21 @@ def create_workers(cfg: Config, output_dir: Path) -> Workers:
              for rank in range(layout.world_size)]
     # concurrency 2: a share change (set_threads) reaches the rollout worker while it decodes. The
     # built-in engine runs one worker per device of its TP group (rank k on the engine's k-th device),
-    # SGLang one per engine (it starts its TP processes itself).
+    # SGLang one per engine: it starts its TP processes itself, so at TP > 1 under Ray that worker
+    # sees the node's GPUs (as slime starts its SGLang engines: slime/ray/rollout.py) and is told
+    # which are the group's.
     ranks = layout.rollout_tp if cfg.rollout.name == "builtin" else 1
+    node_gpus = cfg.rollout.name != "builtin" and layout.rollout_tp > 1 and executor.kind == "ray" and gpu > 0
     rollout = []
     for e in range(layout.rollout_dp):
         devices = layout.rollout_devices(e)
         tp_address = _tp_rendezvous(executor, devices[0]) if ranks > 1 else None
+        engine_gpus = [executor.placement.gpu_id_of_device[d] for d in devices] if node_gpus else None
+        env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"} if node_gpus else None
         rollout.append([executor.spawn(RolloutWorker, (cfg.rollout.name, cfg.model, threads, cfg.rollout.max_batch_size,
                                                        authkey, layout, devices[k], share,
-                                                       cfg.rollout.share_prompt_kv, k, tp_address),
-                                       devices[k], gpu, concurrency=2)
+                                                       cfg.rollout.share_prompt_kv, k, tp_address, engine_gpus),
+                                       devices[k], gpu, concurrency=2, env_vars=env)
                         for k in range(ranks)])
     workers = Workers(rollout=RolloutGroup(executor, [r[0] for r in rollout], layout, [r[1:] for r in rollout]),
                       train=TrainGroup(executor, train, layout), layout=layout, threads=threads, executor=executor)

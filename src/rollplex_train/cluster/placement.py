@@ -64,10 +64,11 @@ class DevicePlacement:
     node_id_of_device: list[str]
     gpu_id_of_device: list[Optional[int]] = field(default_factory=list)
 
-    def actor_options(self, device: int, gpu_fraction: float) -> dict[str, Any]:
+    def actor_options(self, device: int, gpu_fraction: float, env_vars: Optional[dict[str, str]] = None) -> dict[str, Any]:
         """``.options(**kwargs)`` that place an actor on ``device``'s bundle: the placement-group
         scheduling strategy, ``num_cpus=0`` (the bundle's cores are the device's; its actors share
-        them) and ``num_gpus=gpu_fraction`` (a share of the bundle's GPU; 0 on CPU runs).
+        them) and ``num_gpus=gpu_fraction`` (a share of the bundle's GPU; 0 on CPU runs);
+        ``env_vars``: the actor's environment additions (Ray ``runtime_env``).
 
         Raises:
             ValueError: ``device`` outside ``0 .. world_size - 1``, or a GPU share outside
@@ -83,7 +84,10 @@ class DevicePlacement:
             raise ValueError(f"gpu_fraction={gpu_fraction}: expected 0 < share <= 1 of the device's GPU")
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                     placement_group_bundle_index=self.bundle_of_device[device])
-        return {"scheduling_strategy": strategy, "num_cpus": 0, "num_gpus": gpu_fraction}
+        options = {"scheduling_strategy": strategy, "num_cpus": 0, "num_gpus": gpu_fraction}
+        if env_vars:
+            options["runtime_env"] = {"env_vars": dict(env_vars)}
+        return options
 
     def remove(self) -> None:
         """Release the placement group (its actors must be gone first, or Ray kills them)."""

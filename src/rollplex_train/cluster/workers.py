@@ -137,14 +137,24 @@ class RolloutWorker:
         tp_rank, tp_address: built-in engine over ``layout.rollout_tp`` > 1 devices: this worker's
             rank of the engine's group and the group's rendezvous (host, port) (one worker per
             rank, every rank given the same calls; ``rollout/tensor_parallel.py``).
+        engine_gpus: SGLang over ``layout.rollout_tp`` > 1 GPUs under Ray: Ray's GPU ids of the
+            group's devices; this one worker sees the node's GPUs and starts the engine's TP
+            processes on them (``rollout.sglang.engine_placement``).
     """
 
     def __init__(self, engine: str, model: ModelConfig, threads: int, max_batch_size: int,
                  authkey: Optional[bytes] = None, layout=None, device_index: int = 0, device_share: str = "cores",
-                 share_prompt_kv: bool = False, tp_rank: int = 0, tp_address: Optional[tuple[str, int]] = None):
+                 share_prompt_kv: bool = False, tp_rank: int = 0, tp_address: Optional[tuple[str, int]] = None,
+                 engine_gpus: Optional[list[int]] = None):
         _setup_process(threads, authkey)
         self.compute = ComputeThread("rollout-compute")  # the engine's tensors are touched on it only
         placement = {}
+        if engine == "sglang" and layout is not None:  # one engine over the group's GPUs, started from here
+            from rollplex_train.rollout.sglang import engine_placement
+
+            first = layout_device(layout, device_index).index if engine_gpus is None else 0
+            placement = engine_placement(layout.rollout_tp, first or 0, engine_gpus,
+                                         os.environ.get("CUDA_VISIBLE_DEVICES"))
         if engine == "builtin":  # decodes in this process (SGLang places its own scheduler processes)
             device = layout_device(layout, device_index)
             placement = dict(device=device, compute_dtype=model.compute_dtype, device_share=device_share,
@@ -201,11 +211,14 @@ class RolloutWorker:
     def map_shared_weights(self, payload) -> int:
         return self.compute.run(self.engine.map_shared_weights, payload)
 
-    def sync_shared_weights(self, version: int, published: dict[str, float]) -> dict[str, float]:
-        """The shared path: ``published`` is the TrainWorker's ``publish_weights`` result (Ray
-        resolves it first, so the trainer has refreshed and published ``version``)."""
-        self.compute.run(self.engine.sync_shared_weights, version)
-        return {"sharing/copied_bytes": published.get("sharing/rebuild_bytes", 0.0)}
+    def sync_shared_weights(self, version: int, published: dict[str, float] | list[dict[str, float]]) -> dict[str, float]:
+        """The shared path: ``published`` is the ``publish_weights`` result of the TrainWorker on this
+        device, or of each device whose tensors this engine mapped (Ray resolves them first, so
+        the trainer has refreshed and published ``version``). Copied: the trainer's rebuilds, and
+        what an engine that owns its parameters (SGLang) copied in."""
+        pushed = self.compute.run(self.engine.sync_shared_weights, version) or 0
+        rebuilt = sum(p.get("sharing/rebuild_bytes", 0.0) for p in (published if isinstance(published, list) else [published]))
+        return {"sharing/copied_bytes": rebuilt + float(pushed)}
 
     def weights_digest(self) -> dict[str, str]:
         return self.compute.run(self.engine.weights_digest)

@@ -98,18 +98,49 @@ def check_config(cfg: Any) -> None:
     """The settings of a run ``Config`` the SGLang engine cannot honour (``check_available``'s
     second half; needs no SGLang).
 
+    A TP group of ``rollout.tensor_parallel_size`` devices lies on one node (``ParallelLayout``
+    refuses a degree that does not divide ``cluster.devices_per_node``), as one SGLang engine needs.
+
     Raises:
         ValueError: naming the key: ``cluster.device=cpu``, a non-default
-            ``model.attn_implementation``, ``rollout.tensor_parallel_size != 1``.
+            ``model.attn_implementation``.
     """
     if cfg.cluster.device != "cuda":
         raise ValueError(f"rollout.name=sglang: SGLang decodes on GPUs, but cluster.device={cfg.cluster.device}")
     if cfg.model.attn_implementation != "sdpa":
         raise ValueError(f"model.attn_implementation={cfg.model.attn_implementation!r}: a transformers setting the "
                          "SGLang engine cannot honour; leave it at 'sdpa'")
-    if cfg.rollout.tensor_parallel_size != 1:
-        raise ValueError(f"rollout.tensor_parallel_size={cfg.rollout.tensor_parallel_size}: the rollout worker does "
-                         "not yet give the SGLang engine a TP group (tp_size, base_gpu_id); use 1")
+
+
+def engine_placement(tp_size: int, local_index: int, gpu_ids: Optional[list[int]] = None,
+                     visible: Optional[str] = None) -> dict[str, int]:
+    """``tp_size`` and ``base_gpu_id`` of the SGLang engine of a rollout TP group.
+
+    SGLang puts TP rank ``k`` on GPU ``base_gpu_id + k * gpu_id_step`` of the GPUs its process sees
+    (``ServerArgs``; ``gpu_id_step`` left at 1), so the group's GPUs must be consecutive there.
+
+    Args:
+        tp_size: the group's devices (``rollout.tensor_parallel_size``).
+        local_index: the torch index of the group's first device in this process, where the process
+            sees the devices as the run numbers them (in process; a Ray worker of a TP 1 engine sees
+            only its own GPU: 0).
+        gpu_ids: Ray's GPU ids of the group's devices (``DevicePlacement.gpu_id_of_device``), for a
+            Ray worker that sees the node's GPUs (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``,
+            as slime's ``slime/ray/rollout.py`` starts its SGLang engines); None otherwise.
+        visible: the process's ``CUDA_VISIBLE_DEVICES`` (the node's, inherited from the raylet):
+            torch index ``i`` is its ``i``-th entry; unset: index = GPU id.
+
+    Raises:
+        ValueError: the group's GPUs are not consecutive in this process's numbering (names the key).
+    """
+    if gpu_ids is None:
+        return {"tp_size": tp_size, "base_gpu_id": local_index}
+    order = [int(g) for g in visible.split(",")] if visible else None
+    index = [order.index(g) for g in gpu_ids] if order else list(gpu_ids)
+    if len(index) != tp_size or index != list(range(index[0], index[0] + tp_size)):
+        raise ValueError(f"rollout.tensor_parallel_size={tp_size}: SGLang runs its TP ranks on consecutive GPUs, "
+                         f"the group's devices are GPUs {index} of its node (CUDA_VISIBLE_DEVICES={visible!r})")
+    return {"tp_size": tp_size, "base_gpu_id": index[0]}
 
 
 def _ok(result: Any, what: str) -> None:
@@ -180,7 +211,7 @@ class SGLangRolloutEngine(RolloutEngine):
     """
 
     check_available = staticmethod(check_available)
-    supports_tensor_parallel = True  # one engine over tp_size GPUs (check_config still asks for 1)
+    supports_tensor_parallel = True  # one engine over the tp_size GPUs of a rollout TP group
 
     def __init__(self, model_path: str, dtype: str = "bfloat16", attn_implementation: str = "sdpa",
                  max_batch_size: int = 256, *, tp_size: int = 1, base_gpu_id: int = 0,
@@ -269,8 +300,8 @@ class SGLangRolloutEngine(RolloutEngine):
         if self._updating or not self._valid:
             raise StaleWeightsError(f"SGLang holds no valid weights of version {self.weights_version} "
                                     f"({'update in progress' if self._updating else 'released or never pushed'})")
-        if self._shared is not None:
-            self._shared.check(self.weights_version)
+        for shared in self._shared or ():
+            shared.check(self.weights_version)
 
     def _rope(self, prompt: PromptSample) -> tuple[torch.Tensor, torch.Tensor]:
         from rollplex_train.models.sequence import rope_positions
@@ -375,25 +406,63 @@ class SGLangRolloutEngine(RolloutEngine):
         _ok(self.engine.flush_cache(), "flush_cache")
         self.weights_version, self._valid = version, True
 
-    def map_shared_weights(self, payload: bytes) -> int:
-        """Map the trainer's exported weights (HF names) and push them at the published version.
-        SGLang owns its parameters, so every sync copies (device to device on GPU); the return is 0
-        bytes held in shared memory by the engine."""
+    def map_shared_weights(self, payload: bytes | list[bytes]) -> int:
+        """Map the trainer's exported weights and push them at the published version.
+
+        Args:
+            payload: at TP 1, one export of the HF tensors (the train rank on the engine's device,
+                ``rollout_kind="hf"``); at TP r > 1, the r exports of the group's devices in rank
+                order, each that rank's ``sglang``-layout tensors (``rollout_kind="sglang"``: views
+                of its training shards and rebuilt ``[q;k;v]``), which go to that rank unsharded.
+
+        Returns:
+            the bytes mapped (every rank's tensors). SGLang owns its parameters, so each push copies
+            them into SGLang's (``sync_shared_weights`` returns those bytes).
+
+        Raises:
+            RuntimeError: already mapped. ValueError: r payloads for an engine of another TP
+            degree, or tensors that do not match SGLang's parameters. StaleWeightsError: the
+            trainer is writing them.
+        """
         from rollplex_train.sharing.ipc import import_handles
 
         if self._shared is not None:
             raise RuntimeError("shared weights are already mapped")
-        shared = import_handles(payload)
-        version = shared.version.read()
-        shared.check(version)
+        payloads = payload if isinstance(payload, list) else [payload]
+        if len(payloads) > 1 and len(payloads) != self.tp_size:
+            raise ValueError(f"{len(payloads)} rank exports for an SGLang engine of TP {self.tp_size}")
+        shared = [import_handles(p) for p in payloads]
+        version = shared[0].version.read()
+        for s in shared:
+            s.check(version)
         self._shared = shared
-        self._push(shared.tensors, version)
-        return 0
+        self._push_shared(version)
+        return sum(t.numel() * t.element_size() for s in shared for t in s.tensors.values())
 
-    def sync_shared_weights(self, version: int) -> None:
+    def _push_shared(self, version: int) -> int:
+        """Push the mapped tensors as ``version``; returns the bytes pushed (copied into SGLang)."""
+        if len(self._shared) == 1:  # the HF tensors, sharded here
+            self._push(self._shared[0].tensors, version)
+        else:
+            self.push_rank_tensors([{sglang_name(n): self._to_rank(t, k) for n, t in s.tensors.items()}
+                                    for k, s in enumerate(self._shared)], version)
+        return sum(t.numel() * t.element_size() for s in self._shared for t in s.tensors.values())
+
+    def sync_shared_weights(self, version: int) -> int:
+        """Push the mapped tensors at the trainer's newly published ``version``; returns the bytes
+        copied into SGLang's parameters.
+
+        Raises:
+            RuntimeError: nothing mapped. StaleWeightsError: ``version`` not newer, or a rank's shared
+            counter is not at it.
+        """
         from rollplex_train.sharing.ipc import check_sync
 
-        self._push(check_sync(self._shared, self.weights_version, version).tensors, version)
+        if self._shared is None:
+            raise RuntimeError("sync_shared_weights before map_shared_weights")
+        for s in self._shared:
+            check_sync(s, self.weights_version, version)
+        return self._push_shared(version)
 
     # ---- memory -----------------------------------------------------------------------------------
     def release_memory(self, tags: Optional[Iterable[str]] = None) -> None:
@@ -416,7 +485,7 @@ class SGLangRolloutEngine(RolloutEngine):
             _acknowledged(self.engine.resume_memory_occupation(tags=todo), "resume_memory_occupation")
             self._released.difference_update(todo)
         if "weights" in todo and not self._valid and self._shared is not None:
-            self._push(self._shared.tensors, self.weights_version)
+            self._push_shared(self.weights_version)
 
     def apply_residency(self, plan, phase: str) -> tuple[list[str], list[str]]:
         """Enter ``phase`` of a ``memory.residency.ResidencyPlan``: release the tags whose groups are

@@ -123,7 +123,8 @@ class Run:
 
 def share_weights(workers) -> dict[str, float]:
     """Map the trainer's weights into the rollout engines, once: each train rank moves them to
-    shared memory and exports handles, each engine points its parameters at its first device's.
+    shared memory and exports handles, each engine points its parameters at its first device's (an
+    engine with one worker over its TP group, SGLang: every device's).
 
     Returns:
         ``sharing/shared_bytes_frac``: the rollout's bytes that are views of the trainer's.
@@ -133,12 +134,15 @@ def share_weights(workers) -> dict[str, float]:
     """
     exports = workers.train.export_shared_weights().result()  # per rank
     mapped = workers.rollout.map_shared_weights([e.payload for e in exports])
-    first = [exports[workers.layout.rollout_devices(e)[0]] for e in range(len(mapped))]
-    for got, export in zip(mapped, first):
-        if got != export.view_bytes + export.rebuild_bytes:
+    used = []  # the exports the engines mapped
+    for e, got in enumerate(mapped):
+        mine = [exports[d] for d in workers.rollout.mapped_devices(e)]
+        views, rebuilt = sum(x.view_bytes for x in mine), sum(x.rebuild_bytes for x in mine)
+        if got != views + rebuilt:
             raise RuntimeError(f"a rollout engine mapped {got} bytes of shared weights, the trainer shared "
-                               f"{export.view_bytes} + {export.rebuild_bytes} rebuilt")
-    return {"sharing/shared_bytes_frac": sum(e.view_bytes for e in first) / max(1, sum(e.rollout_bytes for e in first))}
+                               f"{views} + {rebuilt} rebuilt")
+        used += mine
+    return {"sharing/shared_bytes_frac": sum(e.view_bytes for e in used) / max(1, sum(e.rollout_bytes for e in used))}
 
 
 def log_prob_phase(run: Run, placed, batch: TrainBatch, role: str, groups: list[int],
