@@ -32,6 +32,17 @@ CLI = Path(sys.executable).parent / "rollplex-train"
 EMBEDDED_TASKS = ROOT / "artifacts" / "data" / "visual_tasks"
 EMBEDDED_CKPT = ROOT / "artifacts" / "checkpoints" / "tiny-qwen25vl"
 
+# Metrics two runs that train identically may still differ in: measured times, the planner's placement,
+# and the bytes of the prefix KV caches the placement put in the decode window.
+TELEMETRY = ("timing_s/", "perf/throughput", "planner/", "rollplex/", "cost/", "prefix/")
+
+
+def trained_metric_keys(record: dict) -> list[str]:
+    """The keys of a metrics record that are results of the training (not ``TELEMETRY``, not the
+    window's ``memory/<phase>/*_prefix_kv_gib`` rows)."""
+    return [k for k in record if not k.startswith(TELEMETRY) and not k.endswith("_prefix_kv_gib")]
+
+
 # Tasks of the test set and what their media look like (VisualTaskSpec defaults, count_size=112):
 #   color: 56x56 image -> image grid (1, 4, 4) -> 4 placeholder tokens
 #   count: 112x112 image -> image grid (1, 8, 8) -> 16 placeholder tokens

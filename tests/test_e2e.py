@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import trained_metric_keys
 from rollplex_train.tracking.loggers import read_metrics_jsonl
 
 pytestmark = pytest.mark.slow
@@ -111,8 +112,7 @@ def test_resume_after_kill_matches_uninterrupted(uninterrupted, run_cli, reward_
     assert got["step"] == expected["step"] == 3
     # Training results must match. The rollplex planner's telemetry does not (measured times); the
     # placement itself no longer changes numbers (tests/test_e2e_reproducible.py checks bit equality).
-    telemetry = ("timing_s/", "perf/throughput", "planner/", "rollplex/", "cost/", "prefix/")
-    compared = [k for k in expected if not k.startswith(telemetry)]
+    compared = trained_metric_keys(expected)
     assert len(compared) > 20
     for key in compared:
         assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key

@@ -10,14 +10,11 @@ import sys
 import pytest
 import torch
 
+from conftest import trained_metric_keys
 from rollplex_train.tracking.loggers import read_metrics_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # three runs; minutes on a busy 2-core machine
 
-# Measured times and the planner's placement: expected to differ between the runs.
-TELEMETRY = ("timing_s/", "perf/throughput", "planner/", "rollplex/", "cost/", "prefix/")
-# the bytes of the prefix KV caches the decode window made: as many as the placement put there
-PLACED_BYTES = ("_prefix_kv_gib",)
 PLACEMENT = ("planner/decode_share", "planner/train_share", "rollplex/window_tasks", "rollplex/after_tasks",
              "rollplex/tail_groups")
 BURN = "while True:\n    pass\n"  # killed when the run ends
@@ -63,7 +60,7 @@ def test_same_command_same_metrics_under_different_load(embedded_assets, run_cli
         other, w_other = runs[name]
         assert [r["step"] for r in other] == [r["step"] for r in quiet] == list(range(1, 7))
         for a, b in zip(quiet, other):
-            compared = {k: v for k, v in a.items() if not k.startswith(TELEMETRY) and not k.endswith(PLACED_BYTES)}
+            compared = {k: a[k] for k in trained_metric_keys(a)}
             assert len(compared) > 30
             assert {k: b[k] for k in compared} == compared, (name, a["step"])  # bit-identical, not approximately
         assert all(torch.equal(w_other[key], value) for key, value in w_quiet.items()), name
