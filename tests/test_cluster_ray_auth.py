@@ -67,3 +67,26 @@ def test_an_explicit_mode_and_auto_are_left_to_ray(clean_env, monkeypatch):
     monkeypatch.delenv("RAY_AUTH_MODE")
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(clean_env / "empty"))
     assert ray_auth.find_auth_token_source() is None  # an empty file is no token
+
+
+def test_an_address_with_no_cluster_is_one_line_naming_the_key_and_rays_reason(clean_env, monkeypatch):
+    """``cluster.address=auto`` with no Ray cluster running: ``ClusterUnreachable`` (the CLI prints its
+    one line, exit 2) carrying Ray's own reason, not a traceback about tokens."""
+    from rollplex_train.cli import _run_errors
+    from rollplex_train.cluster import ray_cluster
+    from rollplex_train.config import ClusterConfig, Config
+
+    def no_cluster(**kwargs):  # what ray.init(address="auto") raises with nothing running (Ray 2.60)
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to.")
+
+    monkeypatch.setattr(ray_cluster, "_ray_init", no_cluster)
+    with pytest.raises(ray_cluster.ClusterUnreachable, match=r"^cluster.address=auto: cannot attach \(Ray auth mode "
+                       r"\w+\): ConnectionError: Could not find any running Ray instance\. .*\(no Ray cluster there"):
+        ray_cluster.start_ray(Config(cluster=ClusterConfig(address="auto")), clean_env)
+
+    class Trainer:
+        step = 0
+
+    with pytest.raises(SystemExit) as stop, _run_errors(Trainer()):
+        ray_cluster.start_ray(Config(cluster=ClusterConfig(address="auto")), clean_env)
+    assert stop.value.code == 2

@@ -50,3 +50,21 @@ def test_a_sweep_job_of_several_tasks_is_refused(monkeypatch):
     monkeypatch.setenv("SUBMITIT_LOCAL_NTASKS", "2")
     with pytest.raises(ValueError, match=r"hydra.launcher: this sweep job has 2 tasks.*hydra.launcher.nodes=1"):
         check_sweep_job()
+
+
+@pytest.mark.slow
+def test_a_basic_launcher_sweep_runs_each_point_on_a_cluster_of_its_own(tmp_path):
+    """The README's sweep without a launcher plugin: Hydra's basic launcher runs the points one after
+    the other in one process; each starts its own Ray cluster (the first one's placement group held
+    the devices and the second point waited on it forever before ``cli.stop_ray``)."""
+    sweep = tmp_path / "sweep"
+    cmd = [str(CLI), "-m", "+experiment=tiny_cpu", "trainer.total_steps=1", "actor.lr=1e-4,3e-4",
+           f"hydra.sweep.dir={sweep}", "trainer.val_before_train=false", "trainer.val_freq=0", "trainer.export_hf=false",
+           "trainer.loggers=[jsonl]", "trainer.progress_bar=false", "data.rollout_batch_size=4", "rollout.n=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, WANDB_MODE="offline"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for job in (0, 1):
+        rows = [json.loads(line) for line in (sweep / str(job) / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1] and rows[0]["actor/weights_version"] == 1.0
+        assert list((sweep / str(job) / "ray").glob("session_*")) or "Ray temp dir" in proc.stdout + proc.stderr

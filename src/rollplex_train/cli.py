@@ -58,11 +58,13 @@ def _run_errors(trainer):
     fails on too many samples (``reward.max_failed_frac``) ends it with one line and exit code 1,
     and so does a failed worker with no restart left (``cluster.failures.WorkerFailure``: role,
     rank, cause, the step and the last checkpoint);
-    data that stops yielding full batches (rows found bad only when loaded) and required actor
+    a ``cluster.address`` Ray cannot attach to, data that stops yielding full batches (rows found bad
+    only when loaded) and required actor
     prefixes over the memory budget (``schedule.prefill_from_actor=true``) with one line and exit
     code 2."""
     from rollplex_train.algo.rewards import RewardFailure
     from rollplex_train.cluster.failures import WorkerFailure
+    from rollplex_train.cluster.ray_cluster import ClusterUnreachable
     from rollplex_train.data.loader import NoBatchError
     from rollplex_train.runtime.window import PrefillBudgetError
 
@@ -84,7 +86,7 @@ def _run_errors(trainer):
         sys.stderr.write(f"rollplex-train: error: {err} at step {err.step}; "
                          f"{'last checkpoint ' + str(last) if last is not None else 'no checkpoint was written'}\n")
         raise SystemExit(1) from None
-    except NoBatchError as err:
+    except (NoBatchError, ClusterUnreachable) as err:
         sys.stderr.write(f"rollplex-train: error: {err}\n")
         raise SystemExit(2) from None
     except PrefillBudgetError as err:
@@ -171,7 +173,10 @@ def _hydra_main(task, program: str) -> None:
 def _train(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
 
+    from hydra.types import RunMode
+
     from rollplex_train.cluster.launch import check_sweep_job
+    from rollplex_train.cluster.ray_cluster import stop_ray
     from rollplex_train.config import to_config
     from rollplex_train.paths import resolve_config_paths
     from rollplex_train.trainer import Trainer
@@ -189,6 +194,8 @@ def _train(cfg) -> None:
         trainer = Trainer(config, Path(output_dir))
     with _run_errors(trainer):
         trainer.fit()
+    if HydraConfig.get().mode == RunMode.MULTIRUN:  # the basic launcher runs the next point in this process:
+        stop_ray()  # it starts its own cluster (its placement group would wait on this one's devices)
 
 
 def train_main() -> None:

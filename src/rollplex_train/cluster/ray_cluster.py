@@ -37,6 +37,19 @@ def ray_temp_dir(output_dir: Path) -> str:
     return short
 
 
+class ClusterUnreachable(RuntimeError):
+    """``cluster.address`` names no Ray cluster this driver can attach to (the CLI prints one line, exit 2)."""
+
+
+def stop_ray() -> None:
+    """End this process's Ray session, waiting for its processes (a Hydra sweep's next point in the
+    same process then starts a cluster of its own, in its own directory); nothing without one."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown(wait_for_processes=True)
+
+
 def _keep_logs(short: Path, target: Path) -> None:
     """Shut Ray down (waiting for its processes: a live one re-creates its session dir), copy
     ``short/session_*/logs`` to ``target/session_*/logs``, then remove ``short``."""
@@ -87,8 +100,8 @@ def start_ray(cfg: Config, output_dir: Path) -> None:
     Attaching handles Ray's token authentication (``ray_auth.enable_auth_for_address``).
 
     Raises:
-        RuntimeError: ``cluster.address`` cannot be reached or refuses this driver's credentials
-            (one line naming the key and the token sources).
+        ClusterUnreachable: ``cluster.address`` cannot be reached or refuses this driver's
+            credentials (one line naming the key, Ray's reason and the token sources).
     """
     import ray
 
@@ -102,10 +115,11 @@ def start_ray(cfg: Config, output_dir: Path) -> None:
         try:
             _ray_init(address=cfg.cluster.address, runtime_env=env, log_to_driver=True)
         except (ConnectionError, ray.exceptions.AuthenticationError) as err:
-            raise RuntimeError(
-                f"cluster.address={cfg.cluster.address}: cannot attach (Ray auth mode {mode}): {err.__class__.__name__}. "
-                f"A cluster started in token mode needs its token here: ${TOKEN_ENV}, ${TOKEN_PATH_ENV} or "
-                "~/.ray/auth_token (launch/slurm_ray.sbatch writes one per job)") from err
+            cause = (str(err).strip().splitlines() or [""])[0]
+            raise ClusterUnreachable(
+                f"cluster.address={cfg.cluster.address}: cannot attach (Ray auth mode {mode}): {err.__class__.__name__}: "
+                f"{cause} (no Ray cluster there, or one started in token mode whose token is not here: "
+                f"${TOKEN_ENV}, ${TOKEN_PATH_ENV} or ~/.ray/auth_token; launch/slurm_ray.sbatch writes one per job)") from err
         return
     # Ray 2.60 warns on every local start that token authentication is on by default (or off);
     # for a cluster of this machine only that notice is noise (ray/_private/authentication).
