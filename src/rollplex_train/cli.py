@@ -172,7 +172,6 @@ def _hydra_main(task, program: str) -> None:
 
 def _train(cfg) -> None:
     from hydra.core.hydra_config import HydraConfig
-
     from hydra.types import RunMode
 
     from rollplex_train.cluster.launch import check_sweep_job

@@ -293,16 +293,20 @@ class RolloutGroup:
             following += self._follow(e, "follow_stream", *args)
         return ResponseStream(stream, following)
 
+    def _seed_runs(self, seeds: list[int]) -> list[tuple[int, list[int]]]:
+        """``[(engine, its seeds)]``: the seeds dealt in contiguous runs over the engines, engines
+        left without seeds omitted."""
+        share = -(-len(seeds) // len(self.handles))
+        runs = [(e, seeds[e * share:(e + 1) * share]) for e in range(len(self.handles))]
+        return [(e, run) for e, run in runs if run]
+
     def rollout_envs(self, env_cfg, model_path: str, seeds: list[int], params, version: Optional[int],
                      uid_prefix: str) -> Pending:
         """``params.n`` environment trajectories per seed, the seeds dealt in contiguous runs over the
         engines (a TP engine's followers are not driven: environment runs are refused at rollout TP
         > 1 by ``config``); the combined result is every trajectory, seed-major in ``seeds`` order."""
-        share = -(-len(seeds) // len(self.handles))
-        runs = [seeds[k * share:(k + 1) * share] for k in range(len(self.handles))]
-        calls = [(h, run) for h, run in zip(self.handles, runs) if run]
-        futures = [self.ex.call(h, "rollout_envs", env_cfg, model_path, run, params, version, uid_prefix)
-                   for h, run in calls]
+        futures = [self.ex.call(self.handles[e], "rollout_envs", env_cfg, model_path, run, params, version, uid_prefix)
+                   for e, run in self._seed_runs(seeds)]
         return Pending(futures, lambda outs: [t for out in outs for t in out])
 
     def rollout_envs_stream(self, env_cfg, model_path: str, seeds: list[int], params, version: Optional[int],
@@ -310,9 +314,7 @@ class RolloutGroup:
         """:meth:`rollout_envs` streamed: items ``(engine index, list of TurnInput)`` as each engine's
         turns start and, last per engine, ``(engine index, its trajectories)`` (seed-major over the
         engines' runs when put back in engine order)."""
-        share = -(-len(seeds) // len(self.handles))
-        runs = [(e, seeds[e * share:(e + 1) * share]) for e in range(len(self.handles))]
-        runs = [(e, run) for e, run in runs if run]
+        runs = self._seed_runs(seeds)
         stream = ItemStream(len(runs))
         for e, run in runs:
             self.ex.stream(self.handles[e], "rollout_envs_stream", (env_cfg, model_path, run, params, version,

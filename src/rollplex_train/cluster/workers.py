@@ -152,9 +152,8 @@ class RolloutWorker:
         if engine == "sglang" and layout is not None:  # one engine over the group's GPUs, started from here
             from rollplex_train.rollout.sglang import engine_placement
 
-            first = layout_device(layout, device_index).index if engine_gpus is None else 0
-            placement = engine_placement(layout.rollout_tp, first or 0, engine_gpus,
-                                         os.environ.get("CUDA_VISIBLE_DEVICES"))
+            first = 0 if engine_gpus else layout_device(layout, device_index).index or 0
+            placement = engine_placement(layout.rollout_tp, first, engine_gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
         if engine == "builtin":  # decodes in this process (SGLang places its own scheduler processes)
             device = layout_device(layout, device_index)
             placement = dict(device=device, compute_dtype=model.compute_dtype, device_share=device_share,
@@ -211,13 +210,13 @@ class RolloutWorker:
     def map_shared_weights(self, payload) -> int:
         return self.compute.run(self.engine.map_shared_weights, payload)
 
-    def sync_shared_weights(self, version: int, published: dict[str, float] | list[dict[str, float]]) -> dict[str, float]:
-        """The shared path: ``published`` is the ``publish_weights`` result of the TrainWorker on this
-        device, or of each device whose tensors this engine mapped (Ray resolves them first, so
-        the trainer has refreshed and published ``version``). Copied: the trainer's rebuilds, and
+    def sync_shared_weights(self, version: int, published: list[dict[str, float]]) -> dict[str, float]:
+        """The shared path: ``published`` is the ``publish_weights`` result of each device whose
+        tensors this engine mapped (this device's alone, or its TP group's: Ray resolves them first,
+        so the trainer has refreshed and published ``version``). Copied: the trainer's rebuilds, and
         what an engine that owns its parameters (SGLang) copied in."""
         pushed = self.compute.run(self.engine.sync_shared_weights, version) or 0
-        rebuilt = sum(p.get("sharing/rebuild_bytes", 0.0) for p in (published if isinstance(published, list) else [published]))
+        rebuilt = sum(p.get("sharing/rebuild_bytes", 0.0) for p in published)
         return {"sharing/copied_bytes": rebuilt + float(pushed)}
 
     def weights_digest(self) -> dict[str, str]:

@@ -436,8 +436,7 @@ class SGLangRolloutEngine(RolloutEngine):
         for s in shared:
             s.check(version)
         self._shared = shared
-        self._push_shared(version)
-        return sum(t.numel() * t.element_size() for s in shared for t in s.tensors.values())
+        return self._push_shared(version)
 
     def _push_shared(self, version: int) -> int:
         """Push the mapped tensors as ``version``; returns the bytes pushed (copied into SGLang)."""
