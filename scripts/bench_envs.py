@@ -5,10 +5,11 @@
 Both schedules run ``rollplex-train +experiment=tiny_cpu_frozenlake`` (same seeds, same tokens:
 ``tests/test_runtime_envs.py``) with ``env.max_turns=--turns`` on a 4x4 map without holes (every trajectory runs that many turns), a reference (``use_kl_loss``) and two
 mini-batches, so a serial step has the rollout, the old-policy pass over the second mini-batch and
-the reference pass over every trajectory after it; under rollplex those passes run turn by turn
-inside the rollout (``runtime/env_window.py``) and only the last responses remain after it. The
-in-process executor, one device of ``--threads`` threads. Steps ``--timed-from``.. are timed
-(mean); the schedules run in ``--repeat`` interleaved rounds and each one's median run counts.
+the reference pass over every trajectory after it; under rollplex, where its planner finds it
+faster, those passes run turn by turn inside the rollout (``runtime/env_window.py``) and only the
+last responses remain after it. The in-process executor, one device of ``--threads`` threads.
+Steps ``--timed-from``.. are timed (mean; the planner measures an overlapped and a serial step
+twice each first, steps 1-4, and plans from step 5); the schedules run in ``--repeat`` interleaved rounds and each one's median run counts.
 The last line: ``envs: turns=<t> rollplex/serial=<x> scoring_hidden=<p>%`` (``t``: mean turns per
 trajectory; ``x``: serial step time over rollplex's; ``p``: the turn scoring's seconds inside the
 rollout window, ``envs/turn_scoring_hidden_frac``).
@@ -40,8 +41,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="trajectories per seed (rollout.n)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--timed-from", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--timed-from", type=int, default=5,
+                        help="first timed step: rollplex's planner measures steps 1-4 (2 overlapped, 2 serial)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", default="outputs/bench_envs")
     args = parser.parse_args()
@@ -75,11 +77,18 @@ def main() -> None:
               f"  exposed {m.get('timing_s/turns_exposed', 0):5.2f}  update {m['timing_s/update_actor']:5.2f}"
               f"  turns {m['env/turns/mean']:.2f}", flush=True)
     planned = best["rollplex"]
-    print(f"rollplex turn scoring: {planned['envs/turn_scoring_s']:.2f} s in {planned['envs/turn_scoring_calls']:.0f} "
-          f"calls, {planned['envs/turn_scoring_tokens']:.0f} tokens")
+    rates = {k.removeprefix("cost/envs/"): v / 1e6 for k, v in planned.items() if k.startswith("cost/envs/")}
+    print(f"rollplex plan: overlap={planned['planner/env_overlap']:.0f} decode/train threads "
+          f"{planned['planner/decode_share']:.0f}/{planned['planner/train_share']:.0f}, predicted "
+          f"{planned.get('planner/predicted_s', float('nan')):.2f} s against "
+          f"{planned.get('planner/predicted_no_overlap_s', float('nan')):.2f} s without overlap; measured s per "
+          f"trajectory: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items())))
+    if planned["planner/env_overlap"]:
+        print(f"rollplex turn scoring: {planned['envs/turn_scoring_s']:.2f} s in {planned['envs/turn_scoring_calls']:.0f} "
+              f"calls, {planned['envs/turn_scoring_tokens']:.0f} tokens")
     print(f"envs: turns={best['serial']['env/turns/mean']:.2f} "
           f"rollplex/serial={best['serial']['timing_s/step'] / planned['timing_s/step']:.2f} "
-          f"scoring_hidden={100 * planned['envs/turn_scoring_hidden_frac']:.0f}%")
+          f"scoring_hidden={100 * planned.get('envs/turn_scoring_hidden_frac', 0.0):.0f}%")
 
 
 if __name__ == "__main__":

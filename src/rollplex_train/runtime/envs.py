@@ -95,16 +95,18 @@ def trajectory_row(t: Trajectory, index: int) -> tuple[PromptSample, Response]:
 
 
 def env_rollout(cfg: Config, workers, prompts: list[PromptSample], step: int, version: int,
-                timeline: Timeline, roles: Optional[list[str]] = None, old_rows: frozenset = frozenset()) -> EnvRollout:
+                timeline: Timeline, roles: Optional[list[str]] = None, old_rows: frozenset = frozenset(),
+                plan=None) -> EnvRollout:
     """G = ``rollout.n`` trajectories per seed of ``prompts`` under weights ``version`` (timed as
     ``gen``), as training rows (module docstring). Sampling seeds: (``rollout.seed`` + step,
     trajectory uid ``step<k>:<seed>/<g>``), so the same seeds give the same tokens whatever the
     schedule or the number of engines.
 
     Args:
-        roles: None: the rollout only (``serial``); else the log-prob passes (``actor``, ``ref``) to
-            run turn by turn inside it (``rollplex``: ``runtime/env_window.py``), the ``actor`` pass
-            only for ``old_rows``.
+        roles: None: the rollout only (``serial``, or a ``rollplex`` step its planner does not
+            overlap); else the log-prob passes (``actor``, ``ref``) to run turn by turn inside it
+            (``rollplex``: ``runtime/env_window.py``), the ``actor`` pass only for ``old_rows``.
+        plan: with ``roles``, the planner's ``EnvWindowPlan`` (its device shares).
 
     Raises:
         EnvError / ValueError: as ``TurnLoop.rollout`` and :func:`trajectory_row`.
@@ -119,7 +121,7 @@ def env_rollout(cfg: Config, workers, prompts: list[PromptSample], step: int, ve
         from rollplex_train.runtime.env_window import overlapped_env_rollout
 
         trajectories, log_probs, more = overlapped_env_rollout(cfg, workers, prompts, step, version, timeline,
-                                                               roles, set(old_rows))
+                                                               roles, set(old_rows), plan)
     rows = [trajectory_row(t, i) for i, t in enumerate(trajectories)]
     position = {s: i for i, s in enumerate(seeds)}
     return EnvRollout(

@@ -30,6 +30,7 @@ import torch
 
 from rollplex_train.config import Config
 from rollplex_train.data.types import TrainBatch
+from rollplex_train.runtime.env_window import EnvWindowPlanner
 from rollplex_train.runtime.planner import PrefixCall, WindowPlan, prefix_calls
 from rollplex_train.runtime.protocol import RolloutResult, get_all, wait_first
 from rollplex_train.runtime.serial import sampling_params
@@ -50,6 +51,8 @@ class PlannedDecode:
         self.cfg, self.workers, self.pad_id, self.old_from_actor = cfg, workers, pad_id, old_from_actor
         self.window = WindowPlanner(cfg, workers.threads, old_from_actor)
         self.estimates = self.window.estimates  # the cost model and size estimates it plans with
+        # an environment run's steps: the turn scoring's overlap planned on the same cost model
+        self.env_window = EnvWindowPlanner(self.estimates.cost, workers.threads)
 
     def state_dict(self) -> dict:
         """The calibrated cost model and size estimates: a resumed run plans without re-profiling."""

@@ -175,7 +175,7 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
     version, num = run.weights_version, len(prompts)
     imbalance: dict[str, float] = {}
     memory: dict[str, float] = {}  # memory/<phase>/<group>_gib as the engines measure them (memory/executor.py)
-    envs, groups = None, None
+    envs, groups, env_plan = None, None, None
     with timer("step", tl.seconds):
         enter_phase(w, run.residency, "rollout_decode", memory)  # what decode does not use leaves the device
         if cfg.env.name:  # trajectories: one row (and prompt) each, placed once they exist (runtime/envs.py)
@@ -183,7 +183,9 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
             if cfg.schedule.name == "rollplex":  # each turn's context scored while it decodes (runtime/env_window.py)
                 rows = frozenset(old_pass_groups(cfg, num * cfg.rollout.n, run.old_from_actor))
                 roles = (["actor"] if rows else []) + (["ref"] if cfg.algorithm.needs_reference else [])
-            envs = env_rollout(cfg, w, prompts, step, version, tl, roles, rows)
+                env_plan = run.decode.env_window.plan(num * cfg.rollout.n) if roles else None
+                roles = roles if env_plan is not None and env_plan.overlap else None
+            envs = env_rollout(cfg, w, prompts, step, version, tl, roles, rows, env_plan)
             prompts, num, groups = envs.prompts, len(envs.prompts), envs.seed_index
             placed = run.place(prompts)
             rollout = RolloutResult(envs.responses, envs.log_probs, metrics=envs.metrics)
@@ -228,8 +230,12 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
         with tl.span("update_weights", "rollout"):
             sync_metrics = run.sync_weights(version + 1)
     metrics.update(memory)
-    if envs is None:  # the planner's cost model learns from single-turn steps only
+    if envs is None:
         run.decode.observe(rollout, batch, placed, tl)
+    elif env_plan is not None:  # the environment step's plan and what it cost
+        run.decode.env_window.observe(env_plan, len(envs.trajectories), tl.seconds,
+                                      envs.metrics.get("envs/turn_window_s", 0.0))
+        metrics.update(run.decode.env_window.metrics(env_plan))
     computed = batch.rows_of(old_groups) if old_groups else None  # rows whose old log-probs were computed
     return StepResult(report(run, batch, rollout.responses, tl, metrics, imbalance, sync_metrics, computed), tl,
                       batch, rollout.responses, scores)
