@@ -9,7 +9,7 @@ import math
 import pytest
 
 from rollplex_train.runtime.cost_model import CostModel
-from rollplex_train.runtime.env_window import GEN, LAST, PASSES, TURNS, EnvWindowPlanner
+from rollplex_train.runtime.env_window import GEN, GEN_BESIDE, LAST, PASSES, TURNS, EnvWindowPlanner
 from rollplex_train.tracking.loggers import read_metrics_jsonl
 
 
@@ -17,8 +17,8 @@ def measured(threads: int, gen: dict[int, float], turns: dict[int, float], last:
     """A cost model with every kind measured twice (past warm-up) at the given seconds per trajectory."""
     cost = CostModel()
     for _ in range(2):
-        for d, s in gen.items():
-            cost.observe(GEN, 10, d, 10 * s)
+        for d, s in gen.items():  # the rollout alone on the whole device, beside the scoring on less
+            cost.observe(GEN if d == threads else GEN_BESIDE, 10, d, 10 * s)
         for t, s in turns.items():
             cost.observe(TURNS, 10, t, 10 * s)
         cost.observe(LAST, 10, threads, 10 * last)
@@ -54,12 +54,13 @@ def test_keeps_the_serial_step_when_overlap_costs_more():
 
 
 def test_picks_the_decode_share_that_balances_the_window():
-    # 4 threads: the rollout scales (Amdahl f fitted from 1 and 4 threads), the scoring is measured at
-    # 2 threads and extrapolated with the prior; the best split keeps the longer side shortest
-    cost = measured(4, gen={1: 4.0, 4: 1.6}, turns={2: 1.0}, last=0.1, passes=1.5)
+    # 4 threads: the rollout beside the scoring scales (Amdahl f fitted from 1 and 3 threads), the
+    # scoring is measured at 2 threads and extrapolated with the prior; the best split keeps the
+    # longer side shortest
+    cost = measured(4, gen={1: 4.0, 3: 2.0, 4: 1.6}, turns={2: 1.0}, last=0.1, passes=1.5)
     planner = EnvWindowPlanner(cost, threads=4)
     plan = planner.plan(1)
-    windows = {d: max(cost.seconds(GEN, 1, d), cost.seconds(TURNS, 1, 4 - d)) for d in (1, 2, 3)}
+    windows = {d: max(cost.seconds(GEN_BESIDE, 1, d), cost.seconds(TURNS, 1, 4 - d)) for d in (1, 2, 3)}
     best = min(windows, key=windows.get)
     assert plan.overlap and (plan.decode_threads, plan.train_threads) == (best, 4 - best)
     assert plan.predicted_s == pytest.approx(windows[best] + 0.1)

@@ -11,9 +11,9 @@ the step as ``RolloutResult.log_probs``, so its log-prob phases compute nothing 
 
 Whether a step overlaps at all, and with which device shares, is the planner's decision
 (:class:`EnvWindowPlanner`), made from the run's measured cost model (``runtime/cost_model.py``, the
-one the single-turn window plans with): the overlapped step, ``max(rollout at d threads, turn scoring
-at t threads) + last responses on the whole device + 2 re-shares``, against the serial step's
-``rollout on the whole device + the old/reference passes after it``. The first steps measure both
+one the single-turn window plans with): the overlapped step, ``max(rollout beside the scoring at d
+threads, turn scoring at t threads) + last responses on the whole device + 2 re-shares``, against
+the serial step's ``rollout alone on the whole device + the old/reference passes after it``. The first steps measure both
 (two overlapped at half the cores, then two serial), so the planner never keeps a slower step once
 both are known.
 
@@ -51,9 +51,11 @@ from rollplex_train.runtime.serial import sampling_params
 from rollplex_train.runtime.timeline import Timeline
 
 # cost-model kinds of an environment step, in seconds per trajectory (the size the planner knows
-# before the rollout): the rollout (turn loop), the turn scoring inside it, the last responses'
+# before the rollout): the rollout (turn loop) alone and beside the turn scoring (which it shares the
+# device with: on one thread the two take turns), the turn scoring inside it, the last responses'
 # scoring after it (whole device), and the serial step's old/reference passes (whole device)
-GEN, TURNS, LAST, PASSES = "envs/rollout", "envs/turn_scoring", "envs/last_responses", "envs/passes"
+GEN, GEN_BESIDE, TURNS, LAST, PASSES = ("envs/rollout", "envs/rollout_beside_scoring", "envs/turn_scoring",
+                                        "envs/last_responses", "envs/passes")
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ class EnvWindowPlanner:
         full, (d_half, t_half) = self.threads, self._halves()
         cost = self.cost
         split = range(1, full) if full > 1 else (1,)  # decode shares of an overlapped step
-        if not (any(cost.calibrated(GEN, d) for d in split) and any(cost.calibrated(TURNS, t) for t in split)
+        if not (any(cost.calibrated(GEN_BESIDE, d) for d in split) and any(cost.calibrated(TURNS, t) for t in split)
                 and cost.calibrated(LAST, full)):
             return EnvWindowPlan(True, d_half, t_half, "profile_overlap")
         if not (cost.calibrated(GEN, full) and cost.calibrated(PASSES, full)):
@@ -118,7 +120,7 @@ class EnvWindowPlanner:
         switch = 2 * (cost.switch_s or 0.0)
         serial = cost.seconds(GEN, trajectories, full) + cost.seconds(PASSES, trajectories, full)
         shares = [(d, full - d) for d in range(1, full)] or [(d_half, t_half)]
-        best = min((max(cost.seconds(GEN, trajectories, d), cost.seconds(TURNS, trajectories, t))
+        best = min((max(cost.seconds(GEN_BESIDE, trajectories, d), cost.seconds(TURNS, trajectories, t))
                     + cost.seconds(LAST, trajectories, full) + switch, d, t) for d, t in shares)
         return EnvWindowPlan(best[0] < serial, best[1] if best[0] < serial else full,
                              best[2] if best[0] < serial else full, "plan", best[0], serial)
@@ -134,7 +136,7 @@ class EnvWindowPlanner:
         ``timing_s`` (``gen``, ``suffix_after``, ``old_log_prob``, ``ref``); ``turn_window_s`` the
         turn scoring's seconds inside the rollout per DP rank (an overlapped step)."""
         full = self.threads
-        self.cost.observe(GEN, trajectories, plan.decode_threads, seconds.get("gen", 0.0))
+        self.cost.observe(GEN_BESIDE if plan.overlap else GEN, trajectories, plan.decode_threads, seconds.get("gen", 0.0))
         if plan.overlap:
             self.cost.observe(TURNS, trajectories, plan.train_threads, turn_window_s)
             self.cost.observe(LAST, trajectories, full, seconds.get("suffix_after", 0.0))
