@@ -82,8 +82,8 @@ def main() -> None:
           f"{planned['planner/decode_share']:.0f}/{planned['planner/train_share']:.0f}, predicted "
           f"{planned.get('planner/predicted_s', float('nan')):.2f} s against "
           f"{planned.get('planner/predicted_no_overlap_s', float('nan')):.2f} s without overlap; measured s per "
-          f"trajectory: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items())))
-    if planned["planner/env_overlap"]:
+          f"trajectory turn: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(rates.items())))
+    if "envs/turn_scoring_s" in planned:  # the timed steps overlapped (all of them: the mean keeps shared keys)
         print(f"rollplex turn scoring: {planned['envs/turn_scoring_s']:.2f} s in {planned['envs/turn_scoring_calls']:.0f} "
               f"calls, {planned['envs/turn_scoring_tokens']:.0f} tokens")
     print(f"envs: turns={best['serial']['env/turns/mean']:.2f} "

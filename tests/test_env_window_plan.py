@@ -9,7 +9,7 @@ import math
 import pytest
 
 from rollplex_train.runtime.cost_model import CostModel
-from rollplex_train.runtime.env_window import GEN, GEN_BESIDE, LAST, PASSES, TURNS, EnvWindowPlanner
+from rollplex_train.runtime.env_window import GEN, GEN_BESIDE, LAST, PASSES, TURNS, EnvWindowPlan, EnvWindowPlanner
 from rollplex_train.tracking.loggers import read_metrics_jsonl
 
 
@@ -35,7 +35,7 @@ def test_profiles_overlap_then_serial_then_plans():
         # a rollout that decodes no faster on 2 threads than on 1; the turn scoring fits inside it
         gen = {1: 3.0, 2: 3.2}[plan.decode_threads]
         seconds = {"gen": gen * 32, "suffix_after": 0.1 * 32, "old_log_prob": 0.2 * 32, "ref": 0.3 * 32}
-        planner.observe(plan, 32, seconds, turn_window_s=1.0 * 32)
+        planner.observe(plan, 32, 1.0, seconds, turn_window_s=1.0 * 32)
     assert seen == [("profile_overlap", True, 1, 1)] * 2 + [("profile_serial", False, 2, 2)] * 2 + [("plan", True, 1, 1)]
     plan = planner.plan(32)
     assert plan.predicted_s == pytest.approx(32 * (3.0 + 0.1))  # max(rollout, turn scoring) + last responses
@@ -51,6 +51,21 @@ def test_keeps_the_serial_step_when_overlap_costs_more():
     assert plan.predicted_no_overlap_s == pytest.approx(8 * 1.6)
     assert plan.predicted_s == pytest.approx(8 * 2.6)
     assert "planner/predicted_s" in plan.metrics() and not math.isnan(plan.predicted_s)
+
+
+def test_sizes_a_step_in_trajectory_turns_and_counts_the_reshares():
+    # rates are per trajectory turn: a policy that learns shorter trajectories makes both sides
+    # cheaper alike (the side not chosen is not measured again); an overlapped step's two re-shares
+    # join the overlapped side
+    cost = measured(2, gen={1: 2.0, 2: 1.0}, turns={1: 2.5}, last=0.1, passes=0.6)
+    planner = EnvWindowPlanner(cost, threads=2)
+    one = planner.plan(8)
+    planner.observe(EnvWindowPlan(True, 1, 1, "plan"), 8, 2.0, {"gen": 32.0, "suffix_after": 1.6, "reshare": 0.5},
+                    turn_window_s=40.0)  # the same rates at 2 turns a trajectory
+    two = planner.plan(8)
+    assert two.predicted_no_overlap_s == pytest.approx(2 * one.predicted_no_overlap_s)
+    assert cost.switch_s == pytest.approx(0.25)
+    assert two.predicted_s == pytest.approx(2 * one.predicted_s + 2 * 0.25)
 
 
 def test_picks_the_decode_share_that_balances_the_window():

@@ -15,7 +15,7 @@ one the single-turn window plans with): the overlapped step, ``max(rollout besid
 threads, turn scoring at t threads) + last responses on the whole device + 2 re-shares``, against
 the serial step's ``rollout alone on the whole device + the old/reference passes after it``. The first steps measure both
 (two overlapped at half the cores, then two serial), so the planner never keeps a slower step once
-both are known.
+both are known (the side not chosen is not measured again).
 
 Per overlapped step:
 
@@ -50,8 +50,9 @@ from rollplex_train.runtime.cost_model import CostModel
 from rollplex_train.runtime.serial import sampling_params
 from rollplex_train.runtime.timeline import Timeline
 
-# cost-model kinds of an environment step, in seconds per trajectory (the size the planner knows
-# before the rollout): the rollout (turn loop) alone and beside the turn scoring (which it shares the
+# cost-model kinds of an environment step, in seconds per trajectory turn (trajectories x the mean
+# turns of the step; the planner sizes a coming step by its trajectories and the last step's turns,
+# so a policy that learns shorter trajectories shrinks both sides alike): the rollout (turn loop) alone and beside the turn scoring (which it shares the
 # device with: on one thread the two take turns), the turn scoring inside it, the last responses'
 # scoring after it (whole device), and the serial step's old/reference passes (whole device)
 GEN, GEN_BESIDE, TURNS, LAST, PASSES = ("envs/rollout", "envs/rollout_beside_scoring", "envs/turn_scoring",
@@ -100,6 +101,7 @@ class EnvWindowPlanner:
 
     def __init__(self, cost: CostModel, threads: int):
         self.cost, self.threads = cost, threads
+        self.turns = 1.0  # mean turns of the last step seen (1 until then: the choice does not depend on it)
 
     def _halves(self) -> tuple[int, int]:
         return max(1, (self.threads + 1) // 2), max(1, self.threads // 2)
@@ -110,7 +112,7 @@ class EnvWindowPlanner:
         the faster of the serial step and the overlapped one at its best decode share (thread
         counts never measured are extrapolated by the cost model, Amdahl's law)."""
         full, (d_half, t_half) = self.threads, self._halves()
-        cost = self.cost
+        cost, trajectories = self.cost, trajectories * self.turns  # the size: trajectory turns
         split = range(1, full) if full > 1 else (1,)  # decode shares of an overlapped step
         if not (any(cost.calibrated(GEN_BESIDE, d) for d in split) and any(cost.calibrated(TURNS, t) for t in split)
                 and cost.calibrated(LAST, full)):
@@ -127,15 +129,19 @@ class EnvWindowPlanner:
 
     def metrics(self, plan: EnvWindowPlan) -> dict[str, float]:
         """The plan's ``planner/*`` metrics and the ``cost/envs/*@<threads>`` rates it plans with
-        (microseconds per trajectory)."""
+        (microseconds per trajectory turn)."""
         return {**plan.metrics(), **{k: v for k, v in self.cost.metrics().items() if k.startswith("cost/envs/")}}
 
-    def observe(self, plan: EnvWindowPlan, trajectories: int, seconds: dict[str, float],
+    def observe(self, plan: EnvWindowPlan, trajectories: int, turns: float, seconds: dict[str, float],
                 turn_window_s: float = 0.0) -> None:
-        """Learn from a finished step run under ``plan``: ``seconds`` is its timeline's
-        ``timing_s`` (``gen``, ``suffix_after``, ``old_log_prob``, ``ref``); ``turn_window_s`` the
-        turn scoring's seconds inside the rollout per DP rank (an overlapped step)."""
-        full = self.threads
+        """Learn from a finished step run under ``plan``: ``trajectories`` of ``turns`` turns on
+        average; ``seconds`` is its timeline's ``timing_s`` (``gen``, ``suffix_after``,
+        ``old_log_prob``, ``ref``, ``reshare``: the two re-shares of an overlapped step);
+        ``turn_window_s`` the turn scoring's seconds inside the rollout per DP rank (an overlapped step)."""
+        full, self.turns = self.threads, max(turns, 1.0)
+        trajectories = trajectories * self.turns
+        if plan.overlap and "reshare" in seconds:
+            self.cost.observe_switch(seconds["reshare"] / 2)
         self.cost.observe(GEN_BESIDE if plan.overlap else GEN, trajectories, plan.decode_threads, seconds.get("gen", 0.0))
         if plan.overlap:
             self.cost.observe(TURNS, trajectories, plan.train_threads, turn_window_s)
@@ -185,7 +191,8 @@ def overlapped_env_rollout(cfg: Config, workers, prompts: list[PromptSample], st
             names.append(name)
 
     if roles:
-        workers.share_threads(plan.decode_threads, plan.train_threads)
+        with timeline.span("reshare", "driver"):
+            workers.share_threads(plan.decode_threads, plan.train_threads)
     try:
         with timeline.span("gen", "rollout"):
             gen_start = timeline.now()
@@ -206,7 +213,8 @@ def overlapped_env_rollout(cfg: Config, workers, prompts: list[PromptSample], st
                     c.result()
     finally:
         if roles:
-            workers.share_threads(*full)
+            with timeline.span("reshare", "driver"):
+                workers.share_threads(*full)
     trajectories = [t for e in sorted(per_engine) for t in per_engine[e]]
     window = len(calls)
     with timeline.span("suffix_after", "train"):

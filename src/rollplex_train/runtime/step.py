@@ -233,7 +233,7 @@ def run_step(run: Run, prompts: list[PromptSample], step: int) -> StepResult:
     if envs is None:
         run.decode.observe(rollout, batch, placed, tl)
     elif env_plan is not None:  # the environment step's plan and what it cost
-        run.decode.env_window.observe(env_plan, len(envs.trajectories), tl.seconds,
+        run.decode.env_window.observe(env_plan, len(envs.trajectories), envs.metrics["env/turns/mean"], tl.seconds,
                                       envs.metrics.get("envs/turn_window_s", 0.0))
         metrics.update(run.decode.env_window.metrics(env_plan))
     computed = batch.rows_of(old_groups) if old_groups else None  # rows whose old log-probs were computed
