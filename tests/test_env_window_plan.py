@@ -27,7 +27,7 @@ def measured(threads: int, gen: dict[int, float], turns: dict[int, float], last:
 
 
 def test_profiles_overlap_then_serial_then_plans():
-    planner = EnvWindowPlanner(CostModel(), threads=2)
+    planner = EnvWindowPlanner(CostModel(), threads=2, halves=(1, 1))
     seen = []
     for step in range(5):
         plan = planner.plan(32)
@@ -46,7 +46,7 @@ def test_profiles_overlap_then_serial_then_plans():
 def test_keeps_the_serial_step_when_overlap_costs_more():
     # the rollout twice as fast on 2 threads, scoring that outlasts it on half the device: serial wins
     cost = measured(2, gen={1: 2.0, 2: 1.0}, turns={1: 2.5}, last=0.1, passes=0.6)
-    plan = EnvWindowPlanner(cost, threads=2).plan(8)
+    plan = EnvWindowPlanner(cost, threads=2, halves=(1, 1)).plan(8)
     assert (plan.mode, plan.overlap, plan.decode_threads, plan.train_threads) == ("plan", False, 2, 2)
     assert plan.predicted_no_overlap_s == pytest.approx(8 * 1.6)
     assert plan.predicted_s == pytest.approx(8 * 2.6)
@@ -58,7 +58,7 @@ def test_sizes_a_step_in_trajectory_turns_and_counts_the_reshares():
     # cheaper alike (the side not chosen is not measured again); an overlapped step's two re-shares
     # join the overlapped side
     cost = measured(2, gen={1: 2.0, 2: 1.0}, turns={1: 2.5}, last=0.1, passes=0.6)
-    planner = EnvWindowPlanner(cost, threads=2)
+    planner = EnvWindowPlanner(cost, threads=2, halves=(1, 1))
     one = planner.plan(8)
     planner.observe(EnvWindowPlan(True, 1, 1, "plan"), 8, 2.0, {"gen": 32.0, "suffix_after": 1.6, "reshare": 0.5},
                     turn_window_s=40.0)  # the same rates at 2 turns a trajectory
@@ -73,7 +73,7 @@ def test_picks_the_decode_share_that_balances_the_window():
     # scoring is measured at 2 threads and extrapolated with the prior; the best split keeps the
     # longer side shortest
     cost = measured(4, gen={1: 4.0, 3: 2.0, 4: 1.6}, turns={2: 1.0}, last=0.1, passes=1.5)
-    planner = EnvWindowPlanner(cost, threads=4)
+    planner = EnvWindowPlanner(cost, threads=4, halves=(2, 2))
     plan = planner.plan(1)
     windows = {d: max(cost.seconds(GEN_BESIDE, 1, d), cost.seconds(TURNS, 1, 4 - d)) for d in (1, 2, 3)}
     best = min(windows, key=windows.get)

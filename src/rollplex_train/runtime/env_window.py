@@ -97,21 +97,19 @@ class EnvWindowPlanner:
     Args:
         cost: the run's cost model (kept in checkpoints with the single-turn planner's rates).
         threads: the device's threads (``Workers.threads``).
+        halves: (rollout, train) threads side by side (``Workers.halves()``): the profiling split.
     """
 
-    def __init__(self, cost: CostModel, threads: int):
-        self.cost, self.threads = cost, threads
+    def __init__(self, cost: CostModel, threads: int, halves: tuple[int, int]):
+        self.cost, self.threads, self.halves = cost, threads, halves
         self.turns = 1.0  # mean turns of the last step seen (1 until then: the choice does not depend on it)
-
-    def _halves(self) -> tuple[int, int]:
-        return max(1, (self.threads + 1) // 2), max(1, self.threads // 2)
 
     def plan(self, trajectories: int) -> EnvWindowPlan:
         """The plan of a step of ``trajectories`` trajectories: profile until an overlapped step (at
         half the cores) and the serial one have each been measured past their warm-up step, then
         the faster of the serial step and the overlapped one at its best decode share (thread
         counts never measured are extrapolated by the cost model, Amdahl's law)."""
-        full, (d_half, t_half) = self.threads, self._halves()
+        full, (d_half, t_half) = self.threads, self.halves
         cost, trajectories = self.cost, trajectories * self.turns  # the size: trajectory turns
         split = range(1, full) if full > 1 else (1,)  # decode shares of an overlapped step
         if not (any(cost.calibrated(GEN_BESIDE, d) for d in split) and any(cost.calibrated(TURNS, t) for t in split)

@@ -52,7 +52,7 @@ class PlannedDecode:
         self.window = WindowPlanner(cfg, workers.threads, old_from_actor)
         self.estimates = self.window.estimates  # the cost model and size estimates it plans with
         # an environment run's steps: the turn scoring's overlap planned on the same cost model
-        self.env_window = EnvWindowPlanner(self.estimates.cost, workers.threads)
+        self.env_window = EnvWindowPlanner(self.estimates.cost, workers.threads, workers.halves())
 
     def state_dict(self) -> dict:
         """The calibrated cost model and size estimates: a resumed run plans without re-profiling."""
