@@ -52,7 +52,7 @@ install: $(VENV)/.installed
 $(TASKS)/train.parquet: | install
 	$(VPY) scripts/make_visual_tasks.py --out $(TASKS)
 
-$(TINY_CKPT)/config.json: $(TASKS)/train.parquet | install
+$(TINY_CKPT)/config.json: $(TASKS)/train.parquet src/rollplex_train/models/tiny.py src/rollplex_train/models/warmup.py | install
 	$(VPY) scripts/make_tiny_checkpoint.py --size tiny --out $(TINY_CKPT) --tasks $(TASKS)
 
 $(SMALL_CKPT)/config.json: $(TASKS)/train.parquet | install

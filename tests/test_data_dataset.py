@@ -326,6 +326,59 @@ def test_trainer_refuses_resume_on_changed_data_before_ray(tasks_dir: Path, tiny
     Trainer(config(eight), tmp_path / "run")  # the same data resumes
 
 
+def _tasks_of(ds: PromptDataset, batch) -> list[str]:
+    return [ds.row_tasks()[int(s.uid.split(":")[1])] for s in batch]
+
+
+def test_loader_curriculum_stages_then_every_row(tasks_dir: Path, tokenizer, caplog):
+    """Stage rows only, in epochs of their own; then the plain epochs; resumable mid-stage."""
+    from rollplex_train.config import CurriculumStage
+
+    files = str(tasks_dir / "train.parquet")  # 8 rows per task, interleaved color, count, direction
+    ds = PromptDataset(_cfg(files), tokenizer, files, "train")
+    assert list(ds.row_tasks()[:3]) == ["color", "count", "direction"] and len(ds.row_tasks()) == 24
+    stages = [CurriculumStage(steps=5, tasks=["direction"]), CurriculumStage(steps=2, tasks=["color", "count"])]
+    loader = PromptLoader(ds, batch_size=3, shuffle=True, seed=7, curriculum=stages)
+    with caplog.at_level(logging.INFO, logger="rollplex_train.data.loader"):
+        batches = [loader.next_batch()[0] for _ in range(9)]
+    tasks = [_tasks_of(ds, b) for b in batches]
+    assert all(t == ["direction"] * 3 for t in tasks[:5])
+    first_epoch = sum((_uids(b) for b in batches[:2]), [])
+    assert len(set(first_epoch)) == 6  # no repeats inside a stage's epoch (8 direction rows: 2 batches)
+    assert all(set(t) <= {"color", "count"} for t in tasks[5:7])
+    assert "data.curriculum[1]: 2 steps of tasks ['color', 'count']" in caplog.text
+    assert "data.curriculum done" in caplog.text
+    plain = PromptLoader(ds, batch_size=3, shuffle=True, seed=7)
+    assert [_uids(b) for b in batches[7:9]] == [_uids(plain.next_batch()[0]) for _ in range(2)]  # epoch 0 of all rows
+
+    again = PromptLoader(ds, batch_size=3, shuffle=True, seed=7, curriculum=stages)
+    for _ in range(3):
+        again.next_batch()
+    state = again.state_dict()
+    assert (state["stage"], state["batches_in_stage"]) == (0, 3)
+    resumed = PromptLoader(ds, batch_size=3, shuffle=True, seed=7, curriculum=stages)
+    resumed.load_state_dict(state)
+    assert [_uids(resumed.next_batch()[0]) for _ in range(6)] == [_uids(b) for b in batches[3:9]]
+
+    with pytest.raises(ValueError, match=r"data.curriculum=\[\[5, \['direction'\]\].*has \[\]"):
+        PromptLoader(ds, batch_size=3, shuffle=True, seed=7).load_state_dict(state)
+
+
+def test_loader_curriculum_bad_stage_refused(tasks_dir: Path, tokenizer):
+    from rollplex_train.config import CurriculumStage
+
+    files = str(tasks_dir / "train.parquet")
+    ds = PromptDataset(_cfg(files), tokenizer, files, "train")
+    with pytest.raises(ValueError, match=r"data.curriculum\[0\].tasks=\['motion'\]: no train row has task 'motion'; "
+                                         r"the tasks in data.train_files are \['color', 'count', 'direction'\]"):
+        PromptLoader(ds, batch_size=3, shuffle=True, seed=0, curriculum=[CurriculumStage(steps=1, tasks=["motion"])])
+    with pytest.raises(ValueError, match=r"data.curriculum\[0\].tasks=\['color'\]: 8 train rows, fewer than "
+                                         r"data.rollout_batch_size=9"):
+        PromptLoader(ds, batch_size=9, shuffle=True, seed=0, curriculum=[CurriculumStage(steps=1, tasks=["color"])])
+    with pytest.raises(ValueError, match=r"data.curriculum\[0\]: expected steps > 0"):
+        DataConfig(curriculum=[CurriculumStage(steps=0, tasks=["color"])])
+
+
 def test_loader_skips_bad_rows(tasks_dir: Path, tokenizer):
     good = _good_row(tasks_dir)
     rows = [good, {**good, "images": ["media/gone.png"]}, good, {**good, "answer": None}, good]

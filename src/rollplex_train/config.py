@@ -71,6 +71,16 @@ class ModelConfig:
 
 
 @dataclass(kw_only=True)
+class CurriculumStage:
+    """One stage of ``data.curriculum``: for ``steps`` training steps, rollout batches are drawn
+    only from the train rows whose task (the ``task`` column, else ``data_source``, else
+    ``default``) is one of ``tasks``."""
+
+    steps: int
+    tasks: list[str]
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """Prompt datasets in the EasyR1 schema (``problem``, ``answer``, ``images``, ``videos``)."""
 
@@ -103,6 +113,9 @@ class DataConfig:
     video_max_frames: int = 8
     video_min_pixels: int = 56 * 56
     video_max_pixels: int = 56 * 56
+    curriculum: list[CurriculumStage] = field(default_factory=list)
+    """Stages run in order before the plain shuffled epochs over every row (empty: no stages), e.g.
+    ``[{steps: 120, tasks: [direction]}]``: the first 120 steps draw direction prompts only."""
     resume_on_changed_data: bool = False
     """Resuming a checkpoint saved on other train data (another file fingerprint): false refuses to
     start; true warns and restarts the checkpoint's epoch from its beginning on the new data."""
@@ -119,6 +132,10 @@ class DataConfig:
             raise ValueError(
                 f"data.video_min_pixels={self.video_min_pixels} > data.video_max_pixels={self.video_max_pixels}"
             )
+        for i, stage in enumerate(self.curriculum):
+            if stage.steps <= 0 or not stage.tasks:
+                raise ValueError(f"data.curriculum[{i}]: expected steps > 0 and a non-empty tasks list, got "
+                                 f"steps={stage.steps} tasks={list(stage.tasks)}")
 
 
 @dataclass(kw_only=True)

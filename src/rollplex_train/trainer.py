@@ -78,7 +78,7 @@ class Trainer:
             if cfg.data.val_files else None
         )
         self._check_rows()
-        self.loader = PromptLoader(self.train_set, cfg.data.rollout_batch_size, cfg.data.shuffle, cfg.data.seed)
+        self.loader = self._new_loader()
         self.reward = RewardManager(cfg.reward.function, cfg.reward.format_weight, cfg.reward.max_failed_frac)
         # Validation reports accuracy alone (format_weight 0), the number users compare across runs.
         self.val_reward = RewardManager(cfg.reward.function, 0.0, cfg.reward.max_failed_frac)
@@ -97,6 +97,11 @@ class Trainer:
         self.run = None  # runtime.step.Run, once the workers are up
         self.tracker: Optional[Tracker] = None
         self.output_dir.mkdir(parents=True, exist_ok=True)
+
+    def _new_loader(self) -> PromptLoader:
+        """The train loader at the run's start (``data.*``; a bad ``data.curriculum`` raises here, before Ray)."""
+        d = self.cfg.data
+        return PromptLoader(self.train_set, d.rollout_batch_size, d.shuffle, d.seed, curriculum=d.curriculum)
 
     def _check_rows(self) -> None:
         """Every row checked up front (``PromptDataset.precheck``): data that cannot fill a step's
@@ -177,8 +182,7 @@ class Trainer:
         self.resume_state = load_json(Path(checkpoint) / "trainer_state.json") if checkpoint else None
         if checkpoint is None:
             self.step = 0
-            self.loader = PromptLoader(self.train_set, self.cfg.data.rollout_batch_size, self.cfg.data.shuffle,
-                                       self.cfg.data.seed)
+            self.loader = self._new_loader()
 
     def _train(self, tracker: Tracker, workers) -> dict[str, float]:
         """The step loop from ``self.step`` to ``trainer.total_steps``; returns the last metrics."""

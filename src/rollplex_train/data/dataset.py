@@ -232,6 +232,25 @@ class PromptDataset:
                 logger.debug("skipping %s row %d (%s): %s", path, row_index, skip.reason, skip)
             return None
 
+    def row_tasks(self) -> np.ndarray:
+        """(len(self),) object array of str: each row's task as :meth:`get` labels it (the ``task``
+        column, else ``data_source``, else ``default``), read without decoding any media. A JSON
+        line that is not an object is labelled ``default`` (:meth:`get` skips it)."""
+        labels: list[str] = []
+        for table in self._tables:
+            if isinstance(table, datasets.Dataset):
+                columns = {k: list(table[k]) if k in table.column_names else [None] * len(table)
+                           for k in ("task", "data_source")}
+                labels += [str(t or d or "default") for t, d in zip(columns["task"], columns["data_source"])]
+                continue
+            for i in range(len(table)):
+                try:
+                    row = table[i]
+                except BadLine:
+                    row = {}
+                labels.append(str(row.get("task") or row.get("data_source") or "default"))
+        return np.array(labels, dtype=object)
+
     def _row(self, part: int, row_index: int) -> dict[str, Any]:
         """Row ``row_index`` of file ``part``; a line that is not a JSON object is ``bad_schema``."""
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -56,9 +56,15 @@ class PromptLoader:
     ``drop_last`` a batch never spans two epochs: the short tail of an epoch is dropped, so every
     batch holds exactly ``batch_size`` prompts; without it the tail is returned short.
 
+    A curriculum (``data.curriculum``) puts stages before those epochs: stage ``k`` serves
+    ``steps`` batches drawn only from the rows whose task (:meth:`PromptDataset.row_tasks`) is in
+    its ``tasks``, in epochs of their own over those rows (permutations drawn from
+    ``(seed, epoch, k + 1)``); after the last stage the plain epochs over every row start at epoch 0.
+
     The saved state carries a fingerprint of the data files (:func:`data_fingerprint`): a position
     in one dataset means nothing in another, so :meth:`load_state_dict` refuses a state saved on
-    other data unless told to restart the saved epoch on the new data.
+    other data unless told to restart the saved epoch on the new data, and a state saved under
+    another curriculum always.
 
     Args:
         dataset: the prompts.
@@ -66,9 +72,15 @@ class PromptLoader:
         shuffle: permute rows each epoch.
         seed: base of the per-epoch permutation.
         drop_last: drop the short last batch of each epoch.
+        curriculum: stages with ``steps`` (batches) and ``tasks`` (``config.CurriculumStage``).
+
+    Raises:
+        ValueError: ``batch_size`` <= 0; a stage names a task no row has, or its tasks have fewer
+            rows than ``batch_size`` (one line naming ``data.curriculum[k].tasks``).
     """
 
-    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool = True):
+    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool, seed: int, drop_last: bool = True,
+                 curriculum: Sequence = ()):
         if batch_size <= 0:
             raise ValueError(f"batch_size={batch_size}: expected > 0")
         self.dataset, self.batch_size, self.shuffle, self.seed, self.drop_last = (
@@ -76,18 +88,55 @@ class PromptLoader:
         self.epoch, self.position, self._batches_in_epoch = 0, 0, 0
         self._order: Optional[np.ndarray] = None
         self._fingerprint: Optional[str] = None
+        self.curriculum = [(int(stage.steps), tuple(str(t) for t in stage.tasks)) for stage in curriculum]
+        self.stage, self.batches_in_stage = 0, 0
+        self._stage_rows = self._curriculum_rows() if self.curriculum else []
+
+    def _curriculum_rows(self) -> list[np.ndarray]:
+        """Per stage, the (R,) int64 global rows of its tasks; raises as the class says."""
+        tasks = self.dataset.row_tasks()
+        found = sorted(set(tasks))
+        rows = []
+        for k, (_, stage_tasks) in enumerate(self.curriculum):
+            missing = [t for t in stage_tasks if t not in found]
+            if missing:
+                raise ValueError(f"data.curriculum[{k}].tasks={list(stage_tasks)}: no train row has task "
+                                 f"{missing[0]!r}; the tasks in data.train_files are {found}")
+            stage_rows = np.flatnonzero(np.isin(tasks, list(stage_tasks)))
+            if len(stage_rows) < self.batch_size:
+                raise ValueError(f"data.curriculum[{k}].tasks={list(stage_tasks)}: {len(stage_rows)} train rows, "
+                                 f"fewer than data.rollout_batch_size={self.batch_size}")
+            rows.append(stage_rows)
+        return rows
+
+    def _in_curriculum(self) -> bool:
+        return self.stage < len(self.curriculum)
 
     def _epoch_order(self) -> np.ndarray:
         if self._order is None:
-            n = len(self.dataset)
-            self._order = (np.random.default_rng([self.seed, self.epoch]).permutation(n) if self.shuffle
-                           else np.arange(n))
+            if self._in_curriculum():
+                rows = self._stage_rows[self.stage]
+                key = [self.seed, self.epoch, self.stage + 1]
+            else:
+                rows, key = np.arange(len(self.dataset)), [self.seed, self.epoch]
+            self._order = rows[np.random.default_rng(key).permutation(len(rows))] if self.shuffle else rows
         return self._order
+
+    def _next_stage(self) -> None:
+        """Into the next curriculum stage (or the plain epochs after the last), at its epoch 0."""
+        self.stage, self.batches_in_stage = self.stage + 1, 0
+        self.epoch, self.position, self._batches_in_epoch, self._order = 0, 0, 0, None
+        if self._in_curriculum():
+            steps, tasks = self.curriculum[self.stage]
+            logger.info("data.curriculum[%d]: %d steps of tasks %s", self.stage, steps, list(tasks))
+        else:
+            logger.info("data.curriculum done: batches from every train row from now on")
 
     def _next_epoch(self) -> None:
         if self._batches_in_epoch == 0:
+            where = f"data.curriculum[{self.stage}] of " if self._in_curriculum() else ""
             raise NoBatchError(
-                f"data.train_files: epoch {self.epoch} of split {self.dataset.split!r} gave no batch of {self.batch_size}: only "
+                f"{where}data.train_files: epoch {self.epoch} of split {self.dataset.split!r} gave no batch of {self.batch_size}: only "
                 f"{len(self.dataset) - self.dataset.num_bad} of {len(self.dataset)} rows are valid "
                 f"(skipped: {dict(self.dataset.skipped)})"
             )
@@ -100,6 +149,8 @@ class PromptLoader:
             ValueError: a whole epoch yields no batch (no valid rows, or fewer than ``batch_size``
                 with ``drop_last``).
         """
+        if self._in_curriculum() and self.batches_in_stage >= self.curriculum[self.stage][0]:
+            self._next_stage()
         batch: list[PromptSample] = []
         num_skipped = 0
         while len(batch) < self.batch_size:
@@ -117,6 +168,7 @@ class PromptLoader:
             else:
                 batch.append(sample)
         self._batches_in_epoch += 1
+        self.batches_in_stage += 1
         return batch, num_skipped
 
     def __iter__(self) -> Iterator[list[PromptSample]]:
@@ -130,10 +182,13 @@ class PromptLoader:
             self._fingerprint = data_fingerprint(self.dataset.paths, len(self.dataset))
         return self._fingerprint
 
-    def state_dict(self) -> dict[str, Union[int, str]]:
-        """Where the next batch starts: ``{"epoch", "position", "batches_in_epoch"}``, and the
+    def state_dict(self) -> dict[str, Any]:
+        """Where the next batch starts: ``{"epoch", "position", "batches_in_epoch", "stage",
+        "batches_in_stage"}``, the ``curriculum`` (``[[steps, [tasks]], ...]``) and the
         ``data_fingerprint`` of the data it is a position in."""
         return {"epoch": self.epoch, "position": self.position, "batches_in_epoch": self._batches_in_epoch,
+                "stage": self.stage, "batches_in_stage": self.batches_in_stage,
+                "curriculum": [[steps, list(tasks)] for steps, tasks in self.curriculum],
                 "data_fingerprint": self.fingerprint}
 
     def check_state(self, state: dict, resume_on_changed_data: bool = False) -> bool:
@@ -142,8 +197,13 @@ class PromptLoader:
 
         Raises:
             ValueError: the data differ and ``resume_on_changed_data`` is false (one line naming
-                ``data.resume_on_changed_data``).
+                ``data.resume_on_changed_data``); the state was saved under another ``data.curriculum``.
         """
+        saved_curriculum = state.get("curriculum", [])
+        now = [[steps, list(tasks)] for steps, tasks in self.curriculum]
+        if saved_curriculum != now:
+            raise ValueError(f"resume: the checkpoint was saved with data.curriculum={saved_curriculum}, the run "
+                             f"has {now}; resume with the checkpoint's curriculum")
         saved = state.get("data_fingerprint")
         if saved is None or saved == self.fingerprint:
             return True
@@ -165,6 +225,7 @@ class PromptLoader:
             ValueError: as :meth:`check_state`.
         """
         same = self.check_state(state, resume_on_changed_data)
+        self.stage, self.batches_in_stage = int(state.get("stage", 0)), int(state.get("batches_in_stage", 0))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._batches_in_epoch = int(state.get("batches_in_epoch", 1 if self.position else 0))
         self._order = None

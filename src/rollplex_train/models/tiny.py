@@ -122,10 +122,16 @@ class TinySize:
     vision_depth: int
     vision_heads: int
     vision_intermediate: int
+    init_std: float = 0.02
+    """Std of the normal init of every weight matrix but the token embedding (transformers' default
+    ``initializer_range`` is 0.02, sized for widths of 1k and up)."""
 
 
 SIZES = {
-    "tiny": TinySize(128, 4, 4, 2, 256, (4, 6, 6), 128, 2, 4, 256),
+    # init_std 0.06: with transformers' 0.02 on these 128-wide layers the supervised probe of the
+    # video task (scripts/probe_task.py) sat at chance for ~100 steps, at 0.06 for ~40, and RL on the
+    # video prompts alone left chance after ~60 steps instead of ~110 (docs/benchmarks.md)
+    "tiny": TinySize(128, 4, 4, 2, 256, (4, 6, 6), 128, 2, 4, 256, init_std=0.06),
     "small": TinySize(384, 8, 6, 2, 1024, (8, 12, 12), 384, 6, 6, 1024),
     # Qwen2.5-VL-3B-Instruct's widths (its config.json); with this project's ~1k-token vocabulary
     # about 3.4B parameters. Random weights only: the GPU benchmark (scripts/bench_gpu.py).
@@ -201,14 +207,26 @@ def build_config(arch: str, size: str, tokenizer: PreTrainedTokenizerFast):
 
 
 def build_model(arch: str, size: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0):
-    """A randomly initialised tiny VLM (float32) for the given architecture and size."""
+    """A randomly initialised tiny VLM (float32) for the given architecture and size.
+
+    transformers draws every weight from N(0, ``initializer_range``); the weight matrices (all
+    parameters of two or more dimensions but the token embedding, which the LM head shares) are then
+    scaled to the size's ``init_std``.
+    """
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
     cfg = build_config(arch, size, tokenizer)
     torch.manual_seed(seed)
     cls = Qwen2_5_VLForConditionalGeneration if arch == "qwen2_5_vl" else Qwen2VLForConditionalGeneration
-    return cls(cfg).float()
+    model = cls(cfg).float()
+    scale = SIZES[size].init_std / cfg.get_text_config().initializer_range
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() > 1 and "embed_tokens" not in name:
+                    param.mul_(scale)
+    return model
 
 
 def build_image_processor(min_pixels: int, max_pixels: int):
