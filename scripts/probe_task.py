@@ -1,16 +1,18 @@
 """Supervised probe: can a checkpoint learn a task at all from the right answers?
 
-    python scripts/probe_task.py CKPT TRAIN.parquet VAL.parquet STEPS LR
+    python scripts/probe_task.py CKPT TRAIN.parquet VAL.parquet STEPS LR [--every N] [--stages S]
 
 Trains ``CKPT`` in place in memory (nothing is written) with cross-entropy on ``\\boxed{answer}``
 for ``STEPS`` AdamW steps of 16 random train prompts (grad norm clipped to 1), and prints the
-validation accuracy every 50 steps: for each val prompt the option with the highest likelihood is
-its answer. A diagnostic for task design (``docs/benchmarks.md``, ``make run``): a task this probe
-cannot learn, RL cannot either.
+validation accuracy every ``--every`` steps (default 50): for each val prompt the option with the
+highest likelihood is its answer, one accuracy per val file (``VAL`` may list several, comma-
+separated; so may ``TRAIN``). ``--stages "80:a.parquet;160:b.parquet,c.parquet"`` draws steps 1-80
+from ``a``, 81-160 from ``b`` and ``c``, the rest from ``TRAIN``. A diagnostic for task design and
+task order (``docs/benchmarks.md``, ``make run``): a task this probe cannot learn, RL cannot either.
 """
 
+import argparse
 import random
-import sys
 
 import torch
 
@@ -24,14 +26,27 @@ from rollplex_train.models.warmup import answer_ids
 def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    ckpt, train, val, steps, lr = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])
-    model, tok = load_model(ckpt), load_tokenizer(ckpt)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt")
+    parser.add_argument("train")
+    parser.add_argument("val")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("lr", type=float)
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--stages", default="")
+    args = parser.parse_args()
+    model, tok = load_model(args.ckpt), load_tokenizer(args.ckpt)
 
     def samples(path):
         ds = PromptDataset(DataConfig(train_files=path, val_files=""), tok, path, "probe", merge_size=2)
         return [s for s in (ds.get(i) for i in range(len(ds))) if s is not None]
 
-    tr, va = samples(train), samples(val)
+    def pool_of(files):
+        return [s for f in files.split(",") for s in samples(f)]
+
+    tr, vals = pool_of(args.train), [samples(f) for f in args.val.split(",")]
+    stages = [(int(until), pool_of(files)) for until, files in
+              (stage.split(":", 1) for stage in args.stages.split(";") if stage)]
 
     def nll(prompts, answers):  # (B,) summed NLL of each answer
         targets = [answer_ids(tok, a) for a in answers]
@@ -49,22 +64,23 @@ def main() -> None:
     def accuracy():
         model.eval()
         with torch.no_grad():
-            right = sum(s.options[int(nll([s] * len(s.options), list(s.options)).argmin())] == s.ground_truth
-                        for s in va)
+            right = [sum(s.options[int(nll([s] * len(s.options), list(s.options)).argmin())] == s.ground_truth
+                         for s in va) / len(va) for va in vals]
         model.train()
-        return right / len(va)
+        return " ".join(f"{a:.2f}" for a in right)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rng = random.Random(0)
     print("step 0 acc", accuracy(), flush=True)
-    for step in range(1, steps + 1):
-        batch = rng.sample(tr, 16)
+    for step in range(1, args.steps + 1):
+        pool = next((p for until, p in stages if step <= until), tr)
+        batch = rng.sample(pool, 16)
         loss = nll(batch, [s.ground_truth for s in batch]).mean()
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 50 == 0:
+        if step % args.every == 0:
             print("step", step, "loss", round(loss.item(), 3), "acc", accuracy(), flush=True)
 
 

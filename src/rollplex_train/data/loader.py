@@ -91,6 +91,9 @@ class PromptLoader:
         self.curriculum = [(int(stage.steps), tuple(str(t) for t in stage.tasks)) for stage in curriculum]
         self.stage, self.batches_in_stage = 0, 0
         self._stage_rows = self._curriculum_rows() if self.curriculum else []
+        if self.curriculum:
+            steps, tasks = self.curriculum[0]
+            logger.info("data.curriculum[0]: %d steps of tasks %s", steps, list(tasks))
 
     def _curriculum_rows(self) -> list[np.ndarray]:
         """Per stage, the (R,) int64 global rows of its tasks; raises as the class says."""
