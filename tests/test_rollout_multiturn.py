@@ -140,7 +140,10 @@ def test_same_seeds_same_trajectories_whatever_the_batch(engine, tiny_ckpt_qwen2
     alone = loop.rollout([1], PARAMS)
     assert [t.uid for t in both] == ["env:0/0", "env:0/1", "env:1/0", "env:1/1"]
     for a, b in zip(both[2:], alone):
-        assert a.ids.equal(b.ids) and a.loss_mask.equal(b.loss_mask) and a.logprobs.equal(b.logprobs)
+        assert a.ids.equal(b.ids) and a.loss_mask.equal(b.loss_mask)
+        # the log-probs round with the batch's padding (differences of ~1e-6 on the std-0.06 tiny
+        # checkpoint, none on the earlier std-0.02 one); the tokens are what a seed fixes
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -136,14 +136,14 @@ def test_env_run_under_rollplex_samples_what_serial_does(embedded_assets, run_cl
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tiny_cpu_frozenlake_learns(embedded_assets, run_cli, tmp_path):
-    """The sampled training trajectories' success rate (temperature 1) rises from the random
-    policy's few percent to >= 0.5 within 8 steps (the 30-step curves: docs/benchmarks.md)."""
+    """The sampled training trajectories' success rate (temperature 1) rises from the untrained
+    policy's (at most 0.25) to >= 0.5 within 8 steps (the 30-step curves: docs/benchmarks.md)."""
     pytest.importorskip("gymnasium")
     proc = run_cli(tmp_path, "trainer.total_steps=8", "trainer.loggers=[jsonl]", "cluster.executor=inprocess",
                    "cluster.threads_per_device=2", experiment="tiny_cpu_frozenlake")
     assert proc.returncode == 0, proc.stderr[-4000:]
     success = [r["env/success_rate"] for r in read_metrics_jsonl(tmp_path / "metrics.jsonl")]
-    assert len(success) == 8 and success[0] <= 0.15, success
+    assert len(success) == 8 and success[0] <= 0.25, success  # 0.19 on the std-0.06 checkpoint, <= 0.15 before
     assert max(success[5:]) >= 0.5, success
 
 
