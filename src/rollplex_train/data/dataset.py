@@ -120,6 +120,11 @@ def load_table(files: str, cache_dir: Optional[str] = None) -> Union[Table, list
     return [part[i] for part in parts for i in range(len(part))]
 
 
+def _task_label(task: Any, data_source: Any) -> str:
+    """A row's task: its ``task`` column, else ``data_source``, else ``default``."""
+    return str(task or data_source or "default")
+
+
 class _Skip(Exception):
     """A row that cannot become a prompt; ``reason`` is one of ``SKIP_REASONS``."""
 
@@ -241,14 +246,14 @@ class PromptDataset:
             if isinstance(table, datasets.Dataset):
                 columns = {k: list(table[k]) if k in table.column_names else [None] * len(table)
                            for k in ("task", "data_source")}
-                labels += [str(t or d or "default") for t, d in zip(columns["task"], columns["data_source"])]
+                labels += [_task_label(t, d) for t, d in zip(columns["task"], columns["data_source"])]
                 continue
             for i in range(len(table)):
                 try:
                     row = table[i]
                 except BadLine:
                     row = {}
-                labels.append(str(row.get("task") or row.get("data_source") or "default"))
+                labels.append(_task_label(row.get("task"), row.get("data_source")))
         return np.array(labels, dtype=object)
 
     def _row(self, part: int, row_index: int) -> dict[str, Any]:
@@ -275,7 +280,7 @@ class PromptDataset:
         options = row.get("options") or []
         if not isinstance(options, (list, tuple)) or not all(isinstance(o, str) for o in options):
             raise _Skip("bad_schema", f"column 'options' must be a list of strings, got {options!r}")
-        task = row.get("task") or row.get("data_source") or "default"
+        task = _task_label(row.get("task"), row.get("data_source"))
         messages = self._messages(problem, images, videos, path, row_index)
         vision = self._vision(images, videos, base_dir=Path(path).parent)
         prompt_ids = render_prompt_ids(self.tokenizer, messages, vision.image_grid_thw, vision.video_grid_thw,

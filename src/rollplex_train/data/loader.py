@@ -92,8 +92,7 @@ class PromptLoader:
         self.stage, self.batches_in_stage = 0, 0
         self._stage_rows = self._curriculum_rows() if self.curriculum else []
         if self.curriculum:
-            steps, tasks = self.curriculum[0]
-            logger.info("data.curriculum[0]: %d steps of tasks %s", steps, list(tasks))
+            self._log_stage()
 
     def _curriculum_rows(self) -> list[np.ndarray]:
         """Per stage, the (R,) int64 global rows of its tasks; raises as the class says."""
@@ -129,11 +128,18 @@ class PromptLoader:
         """Into the next curriculum stage (or the plain epochs after the last), at its epoch 0."""
         self.stage, self.batches_in_stage = self.stage + 1, 0
         self.epoch, self.position, self._batches_in_epoch, self._order = 0, 0, 0, None
+        self._log_stage()
+
+    def _log_stage(self) -> None:
         if self._in_curriculum():
             steps, tasks = self.curriculum[self.stage]
             logger.info("data.curriculum[%d]: %d steps of tasks %s", self.stage, steps, list(tasks))
         else:
             logger.info("data.curriculum done: batches from every train row from now on")
+
+    def _curriculum_state(self) -> list:
+        """The curriculum as saved in a state: ``[[steps, [tasks]], ...]``."""
+        return [[steps, list(tasks)] for steps, tasks in self.curriculum]
 
     def _next_epoch(self) -> None:
         if self._batches_in_epoch == 0:
@@ -191,7 +197,7 @@ class PromptLoader:
         ``data_fingerprint`` of the data it is a position in."""
         return {"epoch": self.epoch, "position": self.position, "batches_in_epoch": self._batches_in_epoch,
                 "stage": self.stage, "batches_in_stage": self.batches_in_stage,
-                "curriculum": [[steps, list(tasks)] for steps, tasks in self.curriculum],
+                "curriculum": self._curriculum_state(),
                 "data_fingerprint": self.fingerprint}
 
     def check_state(self, state: dict, resume_on_changed_data: bool = False) -> bool:
@@ -203,7 +209,7 @@ class PromptLoader:
                 ``data.resume_on_changed_data``); the state was saved under another ``data.curriculum``.
         """
         saved_curriculum = state.get("curriculum", [])
-        now = [[steps, list(tasks)] for steps, tasks in self.curriculum]
+        now = self._curriculum_state()
         if saved_curriculum != now:
             raise ValueError(f"resume: the checkpoint was saved with data.curriculum={saved_curriculum}, the run "
                              f"has {now}; resume with the checkpoint's curriculum")
